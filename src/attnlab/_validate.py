@@ -1,0 +1,80 @@
+"""Argument checks shared by every public class and function.
+
+Each check raises ValueError or TypeError whose message names the argument and the value it
+got, so a user reads what to fix instead of a torch internal error. No `assert`: `python -O`
+strips those.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+
+def check_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """Return `value` if it is an int >= minimum (bool is refused: True is not a size)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_dropout(name: str, value: object) -> float:
+    """Return `value` as a float if it is a probability in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__} ({value!r})")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+def check_divides(divisor_name: str, divisor: int, dividend_name: str, dividend: int) -> None:
+    """Raise unless `divisor` divides `dividend` (e.g. num_heads must divide d_out)."""
+    if dividend % divisor != 0:
+        raise ValueError(
+            f"{divisor_name} ({divisor}) must divide {dividend_name} ({dividend})"
+        )
+
+
+def check_tensor(
+    name: str,
+    x: object,
+    *,
+    ndims: Sequence[int],
+    layout: str,
+    last_dim: int | None = None,
+    last_dim_name: str = "d_in",
+) -> torch.Tensor:
+    """Check that `x` is a floating tensor of one of `ndims` ranks, last dimension `last_dim`.
+
+    `layout` is the expected shape in words, e.g. "(batch, tokens, d_in)", for the message.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dim() not in ndims:
+        raise ValueError(
+            f"{name} must have shape {layout} ({_ranks(ndims)}), got shape {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if last_dim is not None and x.shape[-1] != last_dim:
+        raise ValueError(
+            f"{name} has last dimension {x.shape[-1]} but {last_dim_name} is {last_dim} "
+            f"(shape {tuple(x.shape)})"
+        )
+    return x
+
+
+def check_tokens(name: str, num_tokens: int, context_length: int) -> None:
+    """Raise if a sequence is longer than the causal mask the module was built for."""
+    if num_tokens > context_length:
+        raise ValueError(
+            f"{name} has {num_tokens} tokens, more than context_length ({context_length})"
+        )
+
+
+def _ranks(ndims: Sequence[int]) -> str:
+    return " or ".join(f"{n}-D" for n in ndims)

@@ -1,0 +1,182 @@
+"""Seed 003: multi-head self-attention with a separate Q/K/V matrix per head, and the
+recovery of those per-head matrices from PyTorch's nn.MultiheadAttention.
+
+Shapes: X is (L, D) as in the blog, or (B, L, D); each head projects D to kdim (queries,
+keys) and vdim (values); the heads' outputs are concatenated to (..., L, heads * vdim) and
+mapped back to D by the output matrix. Note that the blog's kdim and vdim are per-head widths,
+whereas nn.MultiheadAttention's kdim and vdim are the key and value *input* widths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnlab._validate import check_int, check_tensor
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """The blog's layer, batch-capable: per-head parameters `_wq_h{h}`, `_wk_h{h}`, `_wv_h{h}`
+    of shape (D, kdim) / (D, vdim) and an output matrix `_wo` of shape (heads * vdim, D),
+    drawn with torch.randn (unscaled, as in the blog) in that order.
+    """
+
+    def __init__(
+        self, D: int, kdim: int | None = None, vdim: int | None = None, heads: int = 1  # noqa: N803
+    ) -> None:
+        super().__init__()
+        self._D = check_int("D", D)
+        self._heads = check_int("heads", heads)
+        if heads > D and (kdim is None or vdim is None):
+            raise ValueError(f"heads ({heads}) must be <= D ({D}) when kdim or vdim defaults "
+                             f"to D // heads")
+        self._kdim = check_int("kdim", kdim) if kdim is not None else D // heads
+        self._vdim = check_int("vdim", vdim) if vdim is not None else D // heads
+        for h in range(self._heads):
+            setattr(self, f"_wq_h{h}", nn.Parameter(torch.randn(self._D, self._kdim)))
+            setattr(self, f"_wk_h{h}", nn.Parameter(torch.randn(self._D, self._kdim)))
+            setattr(self, f"_wv_h{h}", nn.Parameter(torch.randn(self._D, self._vdim)))
+        self._wo = nn.Parameter(torch.randn(self._heads * self._vdim, self._D))
+
+    def head_weights(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Head h's (W_q, W_k, W_v), applied as X @ W."""
+        check_int("h", h, minimum=0)
+        if h >= self._heads:
+            raise ValueError(f"h ({h}) must be < heads ({self._heads})")
+        return getattr(self, f"_wq_h{h}"), getattr(self, f"_wk_h{h}"), getattr(self, f"_wv_h{h}")
+
+    def forward(self, X: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # noqa: N803
+        """Attention per head, heads concatenated, then @ W_o.
+
+        attn_mask: an optional additive float mask broadcastable to (..., L, L), such as the
+        blog's causal M; it is added after the 1/sqrt(kdim) scaling, as PyTorch does.
+        """
+        X = check_tensor("X", X, ndims=(2, 3), layout="(L, D) or (B, L, D)", last_dim=self._D,
+                         last_dim_name="D")
+        heads = []
+        for h in range(self._heads):
+            wq, wk, wv = self.head_weights(h)
+            heads.append(_head_attention(X @ wq, X @ wk, X @ wv, attn_mask))  # (..., L, vdim)
+        return torch.cat(heads, dim=-1) @ self._wo  # (..., L, heads * vdim) -> (..., L, D)
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadSelfAttention:
+        """A layer computing exactly what `mha` computes, built from its recovered weights.
+
+        The blog's layer has no biases, so `mha` must be built with bias=False.
+        """
+        weights = heads_from_torch(mha)
+        if weights.bo is not None or weights.bq is not None:
+            raise ValueError("mha has biases (bias=True); MultiHeadSelfAttention has none. "
+                             "Use torch_attention_by_heads to recompute it with its biases")
+        if mha.kdim != mha.embed_dim or mha.vdim != mha.embed_dim:
+            raise ValueError(f"mha takes keys of width {mha.kdim} and values of width "
+                             f"{mha.vdim}; self-attention needs both = embed_dim ({mha.embed_dim})")
+        with torch.random.fork_rng(devices=[]):  # the random init is overwritten below
+            layer = cls(mha.embed_dim, heads=mha.num_heads)
+        with torch.no_grad():
+            for h in range(mha.num_heads):
+                for param, value in zip(layer.head_weights(h),
+                                        (weights.wq[h], weights.wk[h], weights.wv[h]),
+                                        strict=True):
+                    param.copy_(value)
+            layer._wo.copy_(weights.wo)
+        return layer.to(mha.out_proj.weight.dtype)
+
+
+def _head_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_k) + mask) v for one head; q, k, v are (..., L, d)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(float(q.shape[-1]))  # (..., L, L)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@dataclass(frozen=True)
+class TorchHeads:
+    """Per-head weights recovered from an nn.MultiheadAttention, in X @ W layout.
+
+    wq, wk, wv: one (in_width, head_dim) matrix per head; bq, bk, bv: one (head_dim,) bias per
+    head, or None; wo: (heads * head_dim, embed_dim); bo: (embed_dim,) or None.
+    """
+
+    wq: list[torch.Tensor]
+    wk: list[torch.Tensor]
+    wv: list[torch.Tensor]
+    bq: list[torch.Tensor] | None
+    bk: list[torch.Tensor] | None
+    bv: list[torch.Tensor] | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+
+
+def heads_from_torch(mha: nn.MultiheadAttention) -> TorchHeads:
+    """Split `mha`'s packed projections into the blog's per-head matrices.
+
+    PyTorch computes q = x @ W_q.T + b_q with W_q of shape (E, E) and gives head h the
+    features h*hd:(h+1)*hd, so head h's matrix is rows h*hd:(h+1)*hd of W_q, transposed.
+    """
+    if not isinstance(mha, nn.MultiheadAttention):
+        raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError("mha uses add_bias_kv or add_zero_attn, which have no per-head "
+                         "equivalent in the blog's layer")
+    hd = mha.head_dim
+    if mha.in_proj_weight is not None:
+        w_q, w_k, w_v = mha.in_proj_weight.detach().chunk(3)  # each (E, E)
+    else:
+        w_q, w_k, w_v = (mha.q_proj_weight.detach(), mha.k_proj_weight.detach(),
+                         mha.v_proj_weight.detach())
+    b_q = b_k = b_v = None
+    if mha.in_proj_bias is not None:
+        b_q, b_k, b_v = mha.in_proj_bias.detach().chunk(3)  # each (E,)
+
+    def per_head(w: torch.Tensor) -> list[torch.Tensor]:
+        return [w[h * hd:(h + 1) * hd].T for h in range(mha.num_heads)]  # (in_width, hd)
+
+    def per_head_bias(b: torch.Tensor | None) -> list[torch.Tensor] | None:
+        return None if b is None else [b[h * hd:(h + 1) * hd] for h in range(mha.num_heads)]
+
+    out_bias = mha.out_proj.bias
+    return TorchHeads(
+        wq=per_head(w_q), wk=per_head(w_k), wv=per_head(w_v),
+        bq=per_head_bias(b_q), bk=per_head_bias(b_k), bv=per_head_bias(b_v),
+        wo=mha.out_proj.weight.detach().T,  # (E, E): rows follow the concatenated heads
+        bo=None if out_bias is None else out_bias.detach(),
+    )
+
+
+def torch_attention_by_heads(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Recompute `mha(query, key, value, attn_mask=...)[0]` one head at a time.
+
+    Inputs are (batch, tokens, width) whatever mha.batch_first says; key and value default to
+    query (self-attention). attn_mask follows PyTorch: a float mask is added to the scores, a
+    boolean one is True where attending is *not* allowed. Eval-mode semantics (no dropout).
+    """
+    w = heads_from_torch(mha)
+    query = check_tensor("query", query, ndims=(3,), layout="(batch, tokens, embed_dim)",
+                         last_dim=mha.embed_dim, last_dim_name="embed_dim")
+    key = query if key is None else key
+    value = key if value is None else value
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(
+            attn_mask, -torch.inf)
+    heads = []
+    for h in range(mha.num_heads):
+        q = query @ w.wq[h] + (w.bq[h] if w.bq is not None else 0)  # (b, t, hd)
+        k = key @ w.wk[h] + (w.bk[h] if w.bk is not None else 0)
+        v = value @ w.wv[h] + (w.bv[h] if w.bv is not None else 0)
+        heads.append(_head_attention(q, k, v, attn_mask))
+    out = torch.cat(heads, dim=-1) @ w.wo  # (b, t, E)
+    return out if w.bo is None else out + w.bo

@@ -1,0 +1,91 @@
+"""Section 3.3: self-attention without trainable weights.
+
+Each function is one step of the chapter, written the way the chapter writes it (loops where
+it loops), so a reader can run the step and compare the printed tensor. Shapes: `inputs` is
+(tokens, d), a query is (d,), attention scores and weights are (tokens,) for one query and
+(tokens, tokens) for all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab._validate import check_tensor
+
+
+def _check_inputs(inputs: object) -> torch.Tensor:
+    return check_tensor("inputs", inputs, ndims=(2,), layout="(tokens, d)")
+
+
+def _check_vector(name: str, x: object, length: int, length_name: str) -> torch.Tensor:
+    return check_tensor(name, x, ndims=(1,), layout=f"({length_name},)", last_dim=length,
+                        last_dim_name=length_name)
+
+
+def dot_product_loop(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The dot product as the chapter spells it out: multiply element-wise, then sum."""
+    x = check_tensor("x", x, ndims=(1,), layout="(d,)")
+    y = _check_vector("y", y, x.shape[0], "len(x)")
+    res = torch.zeros((), dtype=x.dtype)
+    for idx in range(x.shape[0]):
+        res += x[idx] * y[idx]
+    return res
+
+
+def attention_scores_for_query(inputs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Scores omega_i = x_i . query for one query, by a loop over the tokens (attn_scores_2)."""
+    inputs = _check_inputs(inputs)
+    query = _check_vector("query", query, inputs.shape[1], "d")
+    attn_scores = torch.empty(inputs.shape[0], dtype=inputs.dtype)
+    for i, x_i in enumerate(inputs):
+        attn_scores[i] = torch.dot(x_i, query)
+    return attn_scores
+
+
+def attention_scores_loop(inputs: torch.Tensor) -> torch.Tensor:
+    """All pairwise scores x_i . x_j by two nested loops: the slow way, (tokens, tokens)."""
+    inputs = _check_inputs(inputs)
+    n = inputs.shape[0]
+    attn_scores = torch.empty(n, n, dtype=inputs.dtype)
+    for i, x_i in enumerate(inputs):
+        for j, x_j in enumerate(inputs):
+            attn_scores[i, j] = torch.dot(x_i, x_j)
+    return attn_scores
+
+
+def attention_scores(inputs: torch.Tensor) -> torch.Tensor:
+    """All pairwise scores in one matrix multiplication: inputs @ inputs.T, (tokens, tokens)."""
+    inputs = _check_inputs(inputs)
+    return inputs @ inputs.T
+
+
+def normalize_by_sum(attn_scores: torch.Tensor) -> torch.Tensor:
+    """Divide scores by their sum: weights that sum to 1, but not always positive."""
+    attn_scores = check_tensor("attn_scores", attn_scores, ndims=(1,), layout="(tokens,)")
+    return attn_scores / attn_scores.sum()
+
+
+def softmax_naive(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) / sum(exp(x)) over dim 0, the chapter's naive softmax.
+
+    It overflows: exp(x) is inf in float32 once x > 88.7, and inf / inf is NaN, where
+    torch.softmax subtracts the maximum first and stays finite.
+    """
+    x = check_tensor("x", x, ndims=(1, 2), layout="(tokens,) or (rows, tokens)")
+    return torch.exp(x) / torch.exp(x).sum(dim=0)
+
+
+def context_vector_loop(inputs: torch.Tensor, attn_weights: torch.Tensor) -> torch.Tensor:
+    """The context vector z = sum_i alpha_i x_i for one query, by a loop over the tokens."""
+    inputs = _check_inputs(inputs)
+    attn_weights = _check_vector("attn_weights", attn_weights, inputs.shape[0], "tokens")
+    context_vec = torch.zeros(inputs.shape[1], dtype=inputs.dtype)
+    for i, x_i in enumerate(inputs):
+        context_vec += attn_weights[i] * x_i
+    return context_vec
+
+
+def all_context_vectors(inputs: torch.Tensor) -> torch.Tensor:
+    """Every context vector at once: softmax(inputs @ inputs.T) @ inputs, (tokens, d)."""
+    attn_weights = torch.softmax(attention_scores(inputs), dim=-1)  # (tokens, tokens)
+    return attn_weights @ inputs

@@ -1,0 +1,139 @@
+"""Section 3.4: self-attention with trainable weights (scaled dot-product attention).
+
+Shapes: x is (tokens, d_in) as in the chapter, or (batch, tokens, d_in); W_* map d_in to
+d_out; scores and weights are (..., tokens, tokens); outputs are (..., tokens, d_out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnlab._validate import check_int, check_tensor
+
+
+def _check_x(x: object, d_in: int) -> torch.Tensor:
+    return check_tensor("x", x, ndims=(2, 3), layout="(tokens, d_in) or (batch, tokens, d_in)",
+                        last_dim=d_in)
+
+
+def scaled_softmax(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
+    """softmax(scores / sqrt(d_k)) over the keys: the chapter's attention weights."""
+    return torch.softmax(attn_scores / d_k**0.5, dim=-1)
+
+
+class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
+    """Listing 3.1: weights as nn.Parameter(torch.rand(d_in, d_out)), applied as x @ W."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.d_in = check_int("d_in", d_in)
+        self.d_out = check_int("d_out", d_out)
+        self.W_query = nn.Parameter(torch.rand(d_in, d_out))
+        self.W_key = nn.Parameter(torch.rand(d_in, d_out))
+        self.W_value = nn.Parameter(torch.rand(d_in, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _check_x(x, self.d_in)
+        keys = x @ self.W_key  # (..., tokens, d_out)
+        queries = x @ self.W_query
+        values = x @ self.W_value
+        attn_scores = queries @ keys.transpose(-2, -1)  # omega, (..., tokens, tokens)
+        attn_weights = scaled_softmax(attn_scores, keys.shape[-1])
+        return attn_weights @ values
+
+
+class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
+    """Listing 3.2: the same mechanism with nn.Linear layers (better initialisation, bias)."""
+
+    def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.d_in = check_int("d_in", d_in)
+        self.d_out = check_int("d_out", d_out)
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+
+    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The (..., tokens, tokens) weights the forward pass uses (start of section 3.5)."""
+        x = _check_x(x, self.d_in)
+        keys = self.W_key(x)
+        queries = self.W_query(x)
+        attn_scores = queries @ keys.transpose(-2, -1)  # (..., tokens, tokens)
+        return scaled_softmax(attn_scores, keys.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values = self.W_value(_check_x(x, self.d_in))  # (..., tokens, d_out)
+        return self.attention_weights(x) @ values
+
+
+@dataclass(frozen=True)
+class QueryStep:
+    """Section 3.4.1's intermediate tensors for one query token x(i)."""
+
+    query: torch.Tensor  # (d_out,)    q(i) = x(i) @ W_query
+    keys: torch.Tensor  # (tokens, d_out)
+    values: torch.Tensor  # (tokens, d_out)
+    own_score: torch.Tensor  # ()     omega_ii = q(i) . k(i)
+    attn_scores: torch.Tensor  # (tokens,)
+    attn_weights: torch.Tensor  # (tokens,)  softmax(scores / sqrt(d_k))
+    context_vec: torch.Tensor  # (d_out,)   z(i)
+
+
+def attention_for_query(
+    inputs: torch.Tensor,
+    W_query: torch.Tensor,  # noqa: N803 - the book's names
+    W_key: torch.Tensor,  # noqa: N803
+    W_value: torch.Tensor,  # noqa: N803
+    query_index: int = 1,
+) -> QueryStep:
+    """Section 3.4.1 step by step: the context vector of one token (x(2) by default)."""
+    inputs = check_tensor("inputs", inputs, ndims=(2,), layout="(tokens, d_in)")
+    d_in, tokens = inputs.shape[1], inputs.shape[0]
+    for name, w in (("W_query", W_query), ("W_key", W_key), ("W_value", W_value)):
+        w = check_tensor(name, w, ndims=(2,), layout="(d_in, d_out)")
+        if w.shape[0] != d_in:
+            raise ValueError(f"{name} has {w.shape[0]} rows but inputs has d_in = {d_in}")
+    check_int("query_index", query_index, minimum=0)
+    if query_index >= tokens:
+        raise ValueError(f"query_index ({query_index}) must be < the number of tokens ({tokens})")
+    x_i = inputs[query_index]
+    query = x_i @ W_query
+    keys = inputs @ W_key
+    values = inputs @ W_value
+    attn_scores = query @ keys.T
+    attn_weights = scaled_softmax(attn_scores, keys.shape[-1])
+    return QueryStep(
+        query=query,
+        keys=keys,
+        values=values,
+        own_score=query.dot(keys[query_index]),
+        attn_scores=attn_scores,
+        attn_weights=attn_weights,
+        context_vec=attn_weights @ values,
+    )
+
+
+def copy_v2_weights_into_v1(sa_v2: SelfAttention_v2, sa_v1: SelfAttention_v1) -> None:
+    """Exercise 3.1: give `sa_v1` the weights of `sa_v2` so both compute the same outputs.
+
+    nn.Linear stores its weight as (d_out, d_in) and computes x @ W.T, so v1's W is v2's W.T.
+    A v2 with qkv_bias has no v1 equivalent (v1 has no bias), which is refused.
+    """
+    if not isinstance(sa_v2, SelfAttention_v2):
+        raise TypeError(f"sa_v2 must be a SelfAttention_v2, got {type(sa_v2).__name__}")
+    if not isinstance(sa_v1, SelfAttention_v1):
+        raise TypeError(f"sa_v1 must be a SelfAttention_v1, got {type(sa_v1).__name__}")
+    if sa_v2.W_query.bias is not None:
+        raise ValueError("sa_v2 has qkv_bias=True; SelfAttention_v1 has no bias to receive it")
+    if (sa_v2.d_in, sa_v2.d_out) != (sa_v1.d_in, sa_v1.d_out):
+        raise ValueError(
+            f"sa_v2 is (d_in={sa_v2.d_in}, d_out={sa_v2.d_out}) but sa_v1 is "
+            f"(d_in={sa_v1.d_in}, d_out={sa_v1.d_out})"
+        )
+    with torch.no_grad():
+        sa_v1.W_query.copy_(sa_v2.W_query.weight.T)
+        sa_v1.W_key.copy_(sa_v2.W_key.weight.T)
+        sa_v1.W_value.copy_(sa_v2.W_value.weight.T)
