@@ -6,16 +6,17 @@ import torch
 def assert_causal(module, x: torch.Tensor, t: int) -> None:
     """Changing the tokens after position t must leave the outputs up to t unchanged."""
     changed = x.clone()
-    changed[:, t + 1:] = torch.randn_like(changed[:, t + 1:]) * 3
+    changed[:, t + 1 :] = torch.randn_like(changed[:, t + 1 :]) * 3
     with torch.no_grad():
-        torch.testing.assert_close(module(changed)[:, : t + 1], module(x)[:, : t + 1],
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            module(changed)[:, : t + 1], module(x)[:, : t + 1], rtol=1e-5, atol=1e-6
+        )
 
 
 def assert_leaks(module, x: torch.Tensor, t: int) -> None:
     """The opposite: some output up to t moves when a later token changes."""
     changed = x.clone()
-    changed[:, t + 1:] += 1.0
+    changed[:, t + 1 :] += 1.0
     with torch.no_grad():
         assert not torch.allclose(module(changed)[:, : t + 1], module(x)[:, : t + 1], atol=1e-4)
 
@@ -25,5 +26,6 @@ def assert_batch_independent(module, x: torch.Tensor) -> None:
     with torch.no_grad():
         together = module(x)
         for i in range(x.shape[0]):
-            torch.testing.assert_close(together[i: i + 1], module(x[i: i + 1]),
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                together[i : i + 1], module(x[i : i + 1]), rtol=1e-5, atol=1e-6
+            )

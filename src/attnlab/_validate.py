@@ -34,9 +34,7 @@ def check_dropout(name: str, value: object) -> float:
 def check_divides(divisor_name: str, divisor: int, dividend_name: str, dividend: int) -> None:
     """Raise unless `divisor` divides `dividend` (e.g. num_heads must divide d_out)."""
     if dividend % divisor != 0:
-        raise ValueError(
-            f"{divisor_name} ({divisor}) must divide {dividend_name} ({dividend})"
-        )
+        raise ValueError(f"{divisor_name} ({divisor}) must divide {dividend_name} ({dividend})")
 
 
 def check_tensor(

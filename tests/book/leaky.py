@@ -20,7 +20,7 @@ class LeakyCausalAttention(nn.Module):
         )
 
     def forward(self, x):
-        b, num_tokens, d_in = x.shape
+        b, num_tokens, d_in = x.shape  # noqa: RUF059 - verbatim
         keys = self.W_key(x)
         queries = self.W_query(x)
         values = self.W_value(x)

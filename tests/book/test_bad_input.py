@@ -10,12 +10,15 @@ import torch
 from attnlab import book
 
 BATCH_CLASSES = [
-    lambda **kw: book.CausalAttention(**{"d_in": 3, "d_out": 4, "context_length": 6,
-                                         "dropout": 0.0, **kw}),
-    lambda **kw: book.MultiHeadAttention(**{"d_in": 3, "d_out": 4, "context_length": 6,
-                                            "dropout": 0.0, "num_heads": 2, **kw}),
-    lambda **kw: book.MultiHeadAttentionWrapper(**{"d_in": 3, "d_out": 4, "context_length": 6,
-                                                   "dropout": 0.0, "num_heads": 2, **kw}),
+    lambda **kw: book.CausalAttention(
+        **{"d_in": 3, "d_out": 4, "context_length": 6, "dropout": 0.0, **kw}
+    ),
+    lambda **kw: book.MultiHeadAttention(
+        **{"d_in": 3, "d_out": 4, "context_length": 6, "dropout": 0.0, "num_heads": 2, **kw}
+    ),
+    lambda **kw: book.MultiHeadAttentionWrapper(
+        **{"d_in": 3, "d_out": 4, "context_length": 6, "dropout": 0.0, "num_heads": 2, **kw}
+    ),
 ]
 ids = ["CausalAttention", "MultiHeadAttention", "MultiHeadAttentionWrapper"]
 
@@ -33,10 +36,17 @@ def test_dropout_outside_unit_interval(make, dropout):
 
 
 @pytest.mark.parametrize("make", BATCH_CLASSES, ids=ids)
-@pytest.mark.parametrize(("arg", "value", "error"), [
-    ("d_in", 0, ValueError), ("d_out", -2, ValueError), ("context_length", 0, ValueError),
-    ("d_in", 2.5, TypeError), ("d_out", True, TypeError), ("dropout", "0.1", TypeError),
-])
+@pytest.mark.parametrize(
+    ("arg", "value", "error"),
+    [
+        ("d_in", 0, ValueError),
+        ("d_out", -2, ValueError),
+        ("context_length", 0, ValueError),
+        ("d_in", 2.5, TypeError),
+        ("d_out", True, TypeError),
+        ("dropout", "0.1", TypeError),
+    ],
+)
 def test_sizes_and_types(make, arg, value, error):
     with pytest.raises(error, match=arg):
         make(**{arg: value})
@@ -63,9 +73,9 @@ def test_input_of_the_wrong_rank(make, shape):
 
 @pytest.mark.parametrize("make", BATCH_CLASSES, ids=ids)
 def test_input_that_is_not_a_float_tensor(make):
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         make()([[0.1, 0.2, 0.3]])
-    with pytest.raises(TypeError, match="floating-point.*torch.int64"):
+    with pytest.raises(TypeError, match=r"floating-point.*torch\.int64"):
         make()(torch.ones(1, 6, 3, dtype=torch.long))
 
 
@@ -89,18 +99,25 @@ def test_per_head_layer():
         book.MultiHeadSelfAttention(4, heads=2)(torch.randn(2, 3))
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda: book.attention_scores(torch.randn(6)), r"inputs must have shape \(tokens, d\)"),
-    (lambda: book.attention_scores_for_query(book.INPUTS, torch.randn(4)),
-     r"query has last dimension 4 but d is 3"),
-    (lambda: book.context_vector_loop(book.INPUTS, torch.ones(5)),
-     r"attn_weights has last dimension 5 but tokens is 6"),
-    (lambda: book.causal_weights_neg_inf(torch.randn(3, 4), 2), r"square.*\(3, 4\)"),
-    (lambda: book.causal_weights_renormalised(torch.randn(3, 3), 0), "d_k must be >= 1"),
-    (lambda: book.causal_keep_mask(0), "num_tokens must be >= 1"),
-    (lambda: book.softmax_naive([1.0, 2.0]), "x must be a torch.Tensor"),
-    (lambda: book.count_parameters("model"), "module must be a torch.nn.Module"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: book.attention_scores(torch.randn(6)), r"inputs must have shape \(tokens, d\)"),
+        (
+            lambda: book.attention_scores_for_query(book.INPUTS, torch.randn(4)),
+            r"query has last dimension 4 but d is 3",
+        ),
+        (
+            lambda: book.context_vector_loop(book.INPUTS, torch.ones(5)),
+            r"attn_weights has last dimension 5 but tokens is 6",
+        ),
+        (lambda: book.causal_weights_neg_inf(torch.randn(3, 4), 2), r"square.*\(3, 4\)"),
+        (lambda: book.causal_weights_renormalised(torch.randn(3, 3), 0), "d_k must be >= 1"),
+        (lambda: book.causal_keep_mask(0), "num_tokens must be >= 1"),
+        (lambda: book.softmax_naive([1.0, 2.0]), "x must be a torch.Tensor"),
+        (lambda: book.count_parameters("model"), "module must be a torch.nn.Module"),
+    ],
+)
 def test_functions(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call()
@@ -108,9 +125,12 @@ def test_functions(call, message):
 
 def test_validation_survives_python_dash_o():
     """`python -O` strips asserts; the checks must still raise."""
-    code = ("import attnlab.book as b\n"
-            "try:\n    b.MultiHeadAttention(3, 8, 6, 0.0, num_heads=3)\n"
-            "except ValueError as e:\n    print('raised:', e)\n")
-    result = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
-                            check=True)
+    code = (
+        "import attnlab.book as b\n"
+        "try:\n    b.MultiHeadAttention(3, 8, 6, 0.0, num_heads=3)\n"
+        "except ValueError as e:\n    print('raised:', e)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True
+    )
     assert "raised: num_heads (3) must divide d_out (8)" in result.stdout

@@ -19,18 +19,21 @@ seeds = st.integers(0, 2**31 - 1)
 def test_three_ways_of_masking_agree(seed, n, lead, d_k):
     scores = torch.randn(*lead, n, n, generator=torch.Generator().manual_seed(seed)) * 4
     renormalised = book.causal_weights_renormalised(scores, d_k)
-    torch.testing.assert_close(book.causal_weights_neg_inf(scores, d_k), renormalised,
-                               rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(book.causal_weights_additive(scores, d_k), renormalised,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        book.causal_weights_neg_inf(scores, d_k), renormalised, rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(
+        book.causal_weights_additive(scores, d_k), renormalised, rtol=1e-5, atol=1e-6
+    )
     assert torch.all(renormalised.triu(diagonal=1) == 0)
     torch.testing.assert_close(renormalised.sum(-1), torch.ones(*lead, n))
 
 
-def test_additive_mask_is_the_blogs_M():
+def test_additive_mask_is_the_blogs_mask_m():
     inf = float("inf")
-    expected = torch.tensor([[0, -inf, -inf, -inf], [0, 0, -inf, -inf],
-                             [0, 0, 0, -inf], [0, 0, 0, 0]])
+    expected = torch.tensor(
+        [[0, -inf, -inf, -inf], [0, 0, -inf, -inf], [0, 0, 0, -inf], [0, 0, 0, 0]]
+    )
     assert torch.equal(book.additive_causal_mask(4), expected)
     for n in (1, 6, 9):
         future = book.causal_future_mask(n).bool()
@@ -51,9 +54,10 @@ def test_dropout_printouts_of_both_platforms_are_self_consistent():
     """Each platform's dropout(weights) is its own ones-mask times the causal weights, so 000
     and 002 show another RNG stream, not another computation; Linux draws 004's."""
     weights = printed.CAUSAL_WEIGHTS
-    for ones, dropped in ((printed.DROPOUT_ONES_LINUX, printed.DROPOUT_WEIGHTS_LINUX),
-                          (printed.DROPOUT_ONES_OTHER_PLATFORM,
-                           printed.DROPOUT_WEIGHTS_OTHER_PLATFORM)):
+    for ones, dropped in (
+        (printed.DROPOUT_ONES_LINUX, printed.DROPOUT_WEIGHTS_LINUX),
+        (printed.DROPOUT_ONES_OTHER_PLATFORM, printed.DROPOUT_WEIGHTS_OTHER_PLATFORM),
+    ):
         torch.testing.assert_close(ones * weights, dropped, rtol=0, atol=1.01e-4)
     torch.manual_seed(123)
     drawn = torch.nn.Dropout(0.5)(torch.ones(6, 6))
@@ -73,12 +77,17 @@ def test_seed_001_variant_leaks_and_causal_attention_does_not():
 
 
 def causal_sdpa_reference(ca: book.CausalAttention, x: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(ca.W_query(x), ca.W_key(x), ca.W_value(x),
-                                          is_causal=True)
+    return F.scaled_dot_product_attention(ca.W_query(x), ca.W_key(x), ca.W_value(x), is_causal=True)
 
 
-@given(seeds, st.integers(1, 3), st.integers(1, 10), st.integers(1, 5), st.integers(1, 5),
-       st.booleans())
+@given(
+    seeds,
+    st.integers(1, 3),
+    st.integers(1, 10),
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.booleans(),
+)
 def test_causal_attention_equals_sdpa_and_is_causal(seed, b, tokens, d_in, d_out, bias):
     torch.manual_seed(seed)
     ca = book.CausalAttention(d_in, d_out, 10, 0.0, qkv_bias=bias)

@@ -116,8 +116,9 @@ def test_sa_v2_attention_weights(sa_v2_scores):
     scores, d_k = sa_v2_scores
     assert_printed(book.scaled_softmax(scores, d_k), printed.SA_V2_ATTN_WEIGHTS)
     torch.manual_seed(789)
-    assert_printed(book.SelfAttention_v2(3, 2).attention_weights(book.INPUTS),
-                   printed.SA_V2_ATTN_WEIGHTS)
+    assert_printed(
+        book.SelfAttention_v2(3, 2).attention_weights(book.INPUTS), printed.SA_V2_ATTN_WEIGHTS
+    )
 
 
 def test_masking_by_renormalising(sa_v2_scores):

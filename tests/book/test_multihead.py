@@ -19,13 +19,21 @@ def mha_sdpa_reference(mha: book.MultiHeadAttention, x: torch.Tensor) -> torch.T
     def heads(p):
         return p.view(b, t, mha.num_heads, mha.head_dim).transpose(1, 2)  # (b, h, t, hd)
 
-    out = F.scaled_dot_product_attention(heads(mha.W_query(x)), heads(mha.W_key(x)),
-                                         heads(mha.W_value(x)), is_causal=True)
+    out = F.scaled_dot_product_attention(
+        heads(mha.W_query(x)), heads(mha.W_key(x)), heads(mha.W_value(x)), is_causal=True
+    )
     return mha.out_proj(out.transpose(1, 2).reshape(b, t, mha.d_out))  # (b, t, d_out)
 
 
-@given(seeds, st.integers(1, 3), st.integers(1, 9), st.integers(1, 5), st.integers(1, 4),
-       st.integers(1, 3), st.booleans())
+@given(
+    seeds,
+    st.integers(1, 3),
+    st.integers(1, 9),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.booleans(),
+)
 def test_mha_equals_sdpa_and_is_causal(seed, b, tokens, d_in, num_heads, head_dim, bias):
     torch.manual_seed(seed)
     mha = book.MultiHeadAttention(d_in, num_heads * head_dim, 9, 0.0, num_heads, qkv_bias=bias)

@@ -44,15 +44,23 @@ class BlogMultiHeadSelfAttention(torch.nn.Module):
             head = Q @ K.t() / math.sqrt(float(self._kdim))
             head = torch.softmax(head, dim=-1)
             head = head @ V
-            out = head if h == 0 else torch.cat([out, head], dim=1)
+            if 0 == h:  # noqa: SIM300
+                out = head
+            else:
+                out = torch.cat([out, head], dim=1)
         return out @ self._wo
 
 
 seeds = st.integers(0, 2**31 - 1)
 
 
-@given(seeds, st.integers(1, 8), st.integers(1, 4), st.one_of(st.none(), st.integers(1, 5)),
-       st.one_of(st.none(), st.integers(1, 5)))
+@given(
+    seeds,
+    st.integers(1, 8),
+    st.integers(1, 4),
+    st.one_of(st.none(), st.integers(1, 5)),
+    st.one_of(st.none(), st.integers(1, 5)),
+)
 def test_equals_the_blogs_code_and_batches(seed, d, heads, kdim, vdim):
     D = d * heads
     torch.manual_seed(seed)
@@ -103,11 +111,15 @@ def test_by_heads_with_biases_and_masks(mask_kind):
     torch.manual_seed(3)
     mha = torch.nn.MultiheadAttention(12, 3, bias=True, batch_first=True).eval()
     x = torch.randn(2, 6, 12)
-    mask = {None: None, "bool": book.causal_future_mask(6).bool(),
-            "float": book.additive_causal_mask(6)}[mask_kind]
+    mask = {
+        None: None,
+        "bool": book.causal_future_mask(6).bool(),
+        "float": book.additive_causal_mask(6),
+    }[mask_kind]
     expected, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
-    torch.testing.assert_close(book.torch_attention_by_heads(mha, x, attn_mask=mask), expected,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        book.torch_attention_by_heads(mha, x, attn_mask=mask), expected, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_by_heads_with_separate_key_and_value_widths():
@@ -115,8 +127,9 @@ def test_by_heads_with_separate_key_and_value_widths():
     mha = torch.nn.MultiheadAttention(8, 4, kdim=5, vdim=3, batch_first=True).eval()
     q, k, v = torch.randn(2, 4, 8), torch.randn(2, 7, 5), torch.randn(2, 7, 3)
     expected, _ = mha(q, k, v, need_weights=False)
-    torch.testing.assert_close(book.torch_attention_by_heads(mha, q, k, v), expected,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        book.torch_attention_by_heads(mha, q, k, v), expected, rtol=1e-5, atol=1e-6
+    )
     heads = book.heads_from_torch(mha)
     assert heads.wk[0].shape == (5, 2) and heads.wv[3].shape == (3, 2)
 
@@ -126,7 +139,7 @@ def test_from_torch_refuses_what_the_blog_layer_cannot_hold():
         book.MultiHeadSelfAttention.from_torch(torch.nn.MultiheadAttention(8, 2))
     with pytest.raises(ValueError, match="add_bias_kv"):
         book.heads_from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
-    with pytest.raises(TypeError, match="nn.MultiheadAttention"):
+    with pytest.raises(TypeError, match=r"nn\.MultiheadAttention"):
         book.heads_from_torch(torch.nn.Linear(2, 2))
 
 

@@ -14,8 +14,13 @@ def sdpa_reference(x, w_query, w_key, w_value):
     return F.scaled_dot_product_attention(x @ w_query, x @ w_key, x @ w_value)
 
 
-@given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.integers(1, 8), st.integers(1, 6),
-       st.integers(1, 6))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.integers(1, 6),
+    st.integers(1, 6),
+)
 def test_v1_and_v2_equal_sdpa(seed, batch, tokens, d_in, d_out):
     torch.manual_seed(seed)
     x = torch.randn(batch, tokens, d_in)
@@ -31,8 +36,7 @@ def test_two_dimensional_input_is_the_books_unbatched_case():
     torch.manual_seed(0)
     v2 = book.SelfAttention_v2(3, 4)
     x = torch.randn(2, 5, 3)
-    torch.testing.assert_close(v2(x), torch.stack([v2(x[0]), v2(x[1])]),
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(v2(x), torch.stack([v2(x[0]), v2(x[1])]), rtol=1e-6, atol=1e-7)
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(1, 6), st.integers(1, 6))
@@ -48,8 +52,9 @@ def test_exercise_3_1_copy_v2_into_v1(seed, tokens, d_in, d_out):
 
 def test_exercise_3_1_refuses_what_v1_cannot_hold():
     with pytest.raises(ValueError, match="qkv_bias"):
-        book.copy_v2_weights_into_v1(book.SelfAttention_v2(3, 2, qkv_bias=True),
-                                     book.SelfAttention_v1(3, 2))
+        book.copy_v2_weights_into_v1(
+            book.SelfAttention_v2(3, 2, qkv_bias=True), book.SelfAttention_v1(3, 2)
+        )
     with pytest.raises(ValueError, match="d_out=3"):
         book.copy_v2_weights_into_v1(book.SelfAttention_v2(3, 2), book.SelfAttention_v1(3, 3))
     with pytest.raises(TypeError, match="sa_v1 must be a SelfAttention_v1"):

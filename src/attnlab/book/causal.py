@@ -16,8 +16,9 @@ from attnlab.book.trainable import scaled_softmax
 
 
 def _check_scores(attn_scores: object) -> torch.Tensor:
-    attn_scores = check_tensor("attn_scores", attn_scores, ndims=(2, 3, 4),
-                               layout="(..., tokens, tokens)")
+    attn_scores = check_tensor(
+        "attn_scores", attn_scores, ndims=(2, 3, 4), layout="(..., tokens, tokens)"
+    )
     if attn_scores.shape[-1] != attn_scores.shape[-2]:
         raise ValueError(
             f"attn_scores must be square in its last two dimensions (self-attention), "
@@ -99,7 +100,7 @@ class CausalAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = check_tensor("x", x, ndims=(3,), layout="(batch, tokens, d_in)", last_dim=self.d_in)
-        b, num_tokens, d_in = x.shape
+        num_tokens = x.shape[1]
         check_tokens("x", num_tokens, self.context_length)
         keys = self.W_key(x)  # (b, tokens, d_out)
         queries = self.W_query(x)

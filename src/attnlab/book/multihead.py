@@ -34,8 +34,10 @@ class MultiHeadAttentionWrapper(nn.Module):
         super().__init__()
         check_int("num_heads", num_heads)
         self.heads = nn.ModuleList(
-            [CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
-             for _ in range(num_heads)]
+            [
+                CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
+                for _ in range(num_heads)
+            ]
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

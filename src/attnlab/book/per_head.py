@@ -25,14 +25,15 @@ class MultiHeadSelfAttention(nn.Module):
     """
 
     def __init__(
-        self, D: int, kdim: int | None = None, vdim: int | None = None, heads: int = 1  # noqa: N803
+        self, D: int, kdim: int | None = None, vdim: int | None = None, heads: int = 1
     ) -> None:
         super().__init__()
         self._D = check_int("D", D)
         self._heads = check_int("heads", heads)
         if heads > D and (kdim is None or vdim is None):
-            raise ValueError(f"heads ({heads}) must be <= D ({D}) when kdim or vdim defaults "
-                             f"to D // heads")
+            raise ValueError(
+                f"heads ({heads}) must be <= D ({D}) when kdim or vdim defaults to D // heads"
+            )
         self._kdim = check_int("kdim", kdim) if kdim is not None else D // heads
         self._vdim = check_int("vdim", vdim) if vdim is not None else D // heads
         for h in range(self._heads):
@@ -48,14 +49,15 @@ class MultiHeadSelfAttention(nn.Module):
             raise ValueError(f"h ({h}) must be < heads ({self._heads})")
         return getattr(self, f"_wq_h{h}"), getattr(self, f"_wk_h{h}"), getattr(self, f"_wv_h{h}")
 
-    def forward(self, X: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # noqa: N803
+    def forward(self, X: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention per head, heads concatenated, then @ W_o.
 
         attn_mask: an optional additive float mask broadcastable to (..., L, L), such as the
         blog's causal M; it is added after the 1/sqrt(kdim) scaling, as PyTorch does.
         """
-        X = check_tensor("X", X, ndims=(2, 3), layout="(L, D) or (B, L, D)", last_dim=self._D,
-                         last_dim_name="D")
+        X = check_tensor(
+            "X", X, ndims=(2, 3), layout="(L, D) or (B, L, D)", last_dim=self._D, last_dim_name="D"
+        )
         heads = []
         for h in range(self._heads):
             wq, wk, wv = self.head_weights(h)
@@ -70,18 +72,24 @@ class MultiHeadSelfAttention(nn.Module):
         """
         weights = heads_from_torch(mha)
         if weights.bo is not None or weights.bq is not None:
-            raise ValueError("mha has biases (bias=True); MultiHeadSelfAttention has none. "
-                             "Use torch_attention_by_heads to recompute it with its biases")
+            raise ValueError(
+                "mha has biases (bias=True); MultiHeadSelfAttention has none. "
+                "Use torch_attention_by_heads to recompute it with its biases"
+            )
         if mha.kdim != mha.embed_dim or mha.vdim != mha.embed_dim:
-            raise ValueError(f"mha takes keys of width {mha.kdim} and values of width "
-                             f"{mha.vdim}; self-attention needs both = embed_dim ({mha.embed_dim})")
+            raise ValueError(
+                f"mha takes keys of width {mha.kdim} and values of width "
+                f"{mha.vdim}; self-attention needs both = embed_dim ({mha.embed_dim})"
+            )
         with torch.random.fork_rng(devices=[]):  # the random init is overwritten below
             layer = cls(mha.embed_dim, heads=mha.num_heads)
         with torch.no_grad():
             for h in range(mha.num_heads):
-                for param, value in zip(layer.head_weights(h),
-                                        (weights.wq[h], weights.wk[h], weights.wv[h]),
-                                        strict=True):
+                for param, value in zip(
+                    layer.head_weights(h),
+                    (weights.wq[h], weights.wk[h], weights.wv[h]),
+                    strict=True,
+                ):
                     param.copy_(value)
             layer._wo.copy_(weights.wo)
         return layer.to(mha.out_proj.weight.dtype)
@@ -124,28 +132,37 @@ def heads_from_torch(mha: nn.MultiheadAttention) -> TorchHeads:
     if not isinstance(mha, nn.MultiheadAttention):
         raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
     if mha.bias_k is not None or mha.add_zero_attn:
-        raise ValueError("mha uses add_bias_kv or add_zero_attn, which have no per-head "
-                         "equivalent in the blog's layer")
+        raise ValueError(
+            "mha uses add_bias_kv or add_zero_attn, which have no per-head "
+            "equivalent in the blog's layer"
+        )
     hd = mha.head_dim
     if mha.in_proj_weight is not None:
         w_q, w_k, w_v = mha.in_proj_weight.detach().chunk(3)  # each (E, E)
     else:
-        w_q, w_k, w_v = (mha.q_proj_weight.detach(), mha.k_proj_weight.detach(),
-                         mha.v_proj_weight.detach())
+        w_q, w_k, w_v = (
+            mha.q_proj_weight.detach(),
+            mha.k_proj_weight.detach(),
+            mha.v_proj_weight.detach(),
+        )
     b_q = b_k = b_v = None
     if mha.in_proj_bias is not None:
         b_q, b_k, b_v = mha.in_proj_bias.detach().chunk(3)  # each (E,)
 
     def per_head(w: torch.Tensor) -> list[torch.Tensor]:
-        return [w[h * hd:(h + 1) * hd].T for h in range(mha.num_heads)]  # (in_width, hd)
+        return [w[h * hd : (h + 1) * hd].T for h in range(mha.num_heads)]  # (in_width, hd)
 
     def per_head_bias(b: torch.Tensor | None) -> list[torch.Tensor] | None:
-        return None if b is None else [b[h * hd:(h + 1) * hd] for h in range(mha.num_heads)]
+        return None if b is None else [b[h * hd : (h + 1) * hd] for h in range(mha.num_heads)]
 
     out_bias = mha.out_proj.bias
     return TorchHeads(
-        wq=per_head(w_q), wk=per_head(w_k), wv=per_head(w_v),
-        bq=per_head_bias(b_q), bk=per_head_bias(b_k), bv=per_head_bias(b_v),
+        wq=per_head(w_q),
+        wk=per_head(w_k),
+        wv=per_head(w_v),
+        bq=per_head_bias(b_q),
+        bk=per_head_bias(b_k),
+        bv=per_head_bias(b_v),
         wo=mha.out_proj.weight.detach().T,  # (E, E): rows follow the concatenated heads
         bo=None if out_bias is None else out_bias.detach(),
     )
@@ -165,13 +182,20 @@ def torch_attention_by_heads(
     boolean one is True where attending is *not* allowed. Eval-mode semantics (no dropout).
     """
     w = heads_from_torch(mha)
-    query = check_tensor("query", query, ndims=(3,), layout="(batch, tokens, embed_dim)",
-                         last_dim=mha.embed_dim, last_dim_name="embed_dim")
+    query = check_tensor(
+        "query",
+        query,
+        ndims=(3,),
+        layout="(batch, tokens, embed_dim)",
+        last_dim=mha.embed_dim,
+        last_dim_name="embed_dim",
+    )
     key = query if key is None else key
     value = key if value is None else value
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(
-            attn_mask, -torch.inf)
+            attn_mask, -torch.inf
+        )
     heads = []
     for h in range(mha.num_heads):
         q = query @ w.wq[h] + (w.bq[h] if w.bq is not None else 0)  # (b, t, hd)

@@ -18,8 +18,9 @@ def _check_inputs(inputs: object) -> torch.Tensor:
 
 
 def _check_vector(name: str, x: object, length: int, length_name: str) -> torch.Tensor:
-    return check_tensor(name, x, ndims=(1,), layout=f"({length_name},)", last_dim=length,
-                        last_dim_name=length_name)
+    return check_tensor(
+        name, x, ndims=(1,), layout=f"({length_name},)", last_dim=length, last_dim_name=length_name
+    )
 
 
 def dot_product_loop(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ from attnlab._validate import check_int, check_tensor
 
 
 def _check_x(x: object, d_in: int) -> torch.Tensor:
-    return check_tensor("x", x, ndims=(2, 3), layout="(tokens, d_in) or (batch, tokens, d_in)",
-                        last_dim=d_in)
+    return check_tensor(
+        "x", x, ndims=(2, 3), layout="(tokens, d_in) or (batch, tokens, d_in)", last_dim=d_in
+    )
 
 
 def scaled_softmax(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""The `attnlab` command: argument parsing only; the work is done in the modules it calls."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from attnlab import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnlab", description="Attention mechanisms for PyTorch, step by step."
+    )
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo", help="walk through the chapter on the six-token example, with heatmaps"
+    )
+    demo.add_argument(
+        "--out",
+        default="attnlab-out",
+        metavar="DIR",
+        help="folder for the PNG heatmaps (default: %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from attnlab.demo import run_demo  # matplotlib is imported only when drawing
+
+        run_demo(args.out)
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
