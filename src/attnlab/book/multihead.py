@@ -89,7 +89,9 @@ class MultiHeadAttention(nn.Module):
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
         """Each head's causal attention weights before dropout, shape (b, h, t, t)."""
-        x = self._check_x(x)
+        return self._causal_weights(self._check_x(x))
+
+    def _causal_weights(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[1]
         keys = self._split_heads(self.W_key(x))  # (b, h, t, hd)
         queries = self._split_heads(self.W_query(x))
@@ -101,7 +103,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._check_x(x)
         b, num_tokens, _ = x.shape
-        attn_weights = self.dropout(self.attention_weights(x))  # (b, h, t, t)
+        attn_weights = self.dropout(self._causal_weights(x))  # (b, h, t, t)
         values = self._split_heads(self.W_value(x))  # (b, h, t, hd)
         context_vec = (attn_weights @ values).transpose(1, 2)  # (b, t, h, hd)
         context_vec = context_vec.contiguous().view(b, num_tokens, self.d_out)  # (b, t, d_out)

@@ -59,15 +59,17 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The (..., tokens, tokens) weights the forward pass uses (start of section 3.5)."""
-        x = _check_x(x, self.d_in)
+        return self._weights(_check_x(x, self.d_in))
+
+    def _weights(self, x: torch.Tensor) -> torch.Tensor:
         keys = self.W_key(x)
         queries = self.W_query(x)
         attn_scores = queries @ keys.transpose(-2, -1)  # (..., tokens, tokens)
         return scaled_softmax(attn_scores, keys.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values = self.W_value(_check_x(x, self.d_in))  # (..., tokens, d_out)
-        return self.attention_weights(x) @ values
+        x = _check_x(x, self.d_in)
+        return self._weights(x) @ self.W_value(x)  # (..., tokens, d_out)
 
 
 @dataclass(frozen=True)
