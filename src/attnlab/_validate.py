@@ -45,8 +45,10 @@ def check_tensor(
     layout: str,
     last_dim: int | None = None,
     last_dim_name: str = "d_in",
+    floating: bool = True,
 ) -> torch.Tensor:
-    """Check that `x` is a floating tensor of one of `ndims` ranks, last dimension `last_dim`.
+    """Check that `x` is a tensor of one of `ndims` ranks (floating-point unless `floating` is
+    False) with last dimension `last_dim`.
 
     `layout` is the expected shape in words, e.g. "(batch, tokens, d_in)", for the message.
     """
@@ -56,7 +58,7 @@ def check_tensor(
         raise ValueError(
             f"{name} must have shape {layout} ({_ranks(ndims)}), got shape {tuple(x.shape)}"
         )
-    if not x.is_floating_point():
+    if floating and not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if last_dim is not None and x.shape[-1] != last_dim:
         raise ValueError(

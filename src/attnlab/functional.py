@@ -1,0 +1,187 @@
+"""attention(q, k, v, ...): scaled dot-product attention with masks, grouped-query heads and
+two backends that agree.
+
+Shapes: q is (b, hq, tq, hd); k is (b, hkv, tk, hd) and v is (b, hkv, tk, hdv), where hkv
+divides hq (grouped-query; hkv = 1 is multi-query) and query head h reads key/value head
+h // (hq / hkv). Masks are bool, True where a query may attend (see attnlab.masks), or
+additive float; either broadcasts to (b, hq, tq, tk). A query with no key it may attend to
+gets zeros, never NaN, in forward and backward, on every backend.
+
+Backends: "math" (explicit softmax in float32, the reference, the only one that can return
+the weights) and "sdpa" (torch.nn.functional.scaled_dot_product_attention); "auto" takes
+sdpa unless the weights are asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from attnlab import masks
+from attnlab._validate import check_dropout, check_tensor
+
+BACKENDS = ("auto", "math", "sdpa")
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    need_weights: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v per head; returns the output (b, hq, tq, hdv), or
+    (output, weights (b, hq, tq, tk)) when need_weights is true.
+
+    causal: query i is the (tk - tq + i)-th token, so with tq < tk the queries are the newest
+    tokens (decoding). dropout_p applies only when training is true. scale defaults to
+    1 / sqrt(hd). The weights returned are the ones the output was computed with.
+    """
+    _check_qkv(q, k, v)
+    dropout_p = check_dropout("dropout_p", dropout_p) if training else 0.0
+    scale = _check_scale(scale, q.shape[-1])
+    backend = _choose_backend(backend, need_weights)
+    allowed, bias = _split_mask(mask, q, k)
+    # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
+    sdpa_is_causal = backend == "sdpa" and causal and mask is None and q.shape[2] == k.shape[2]
+    if causal and not sdpa_is_causal:
+        # bottom-right aligned; with tq > tk the first queries precede every key
+        causal_allowed = masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
+        allowed = masks.combine_masks(allowed, causal_allowed)
+    if backend == "math":
+        out, weights = _math(q, k, v, allowed, bias, scale, dropout_p)
+        return (out, weights) if need_weights else out
+    return _sdpa(q, k, v, allowed, bias, scale, dropout_p, sdpa_is_causal)
+
+
+def _math(q, k, v, allowed, bias, scale, dropout_p):
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    compute = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least
+    qg = q.to(compute).reshape(b, hkv, groups, tq, q.shape[-1])  # (b, hkv, g, tq, hd)
+    scores = qg @ k.to(compute).unsqueeze(2).transpose(-2, -1)  # (b, hkv, g, tq, tk)
+    scores = scores.reshape(b, hq, tq, tk) * scale  # (b, hq, tq, tk)
+    if bias is not None:
+        scores = scores + bias.to(compute)
+    row_has_key = None
+    if allowed is not None:
+        row_has_key = allowed.any(dim=-1, keepdim=True)  # (..., tq, 1)
+        # A row with no allowed key gets constant scores: finite softmax, zero gradient.
+        scores = scores.masked_fill(~allowed, -torch.inf).masked_fill(~row_has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if row_has_key is not None:
+        weights = weights * row_has_key
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p, training=True)
+    wg = weights.reshape(b, hkv, groups, tq, tk)  # (b, hkv, g, tq, tk)
+    out = wg @ v.to(compute).unsqueeze(2)  # (b, hkv, g, tq, hdv)
+    out = out.reshape(b, hq, tq, v.shape[-1])  # (b, hq, tq, hdv)
+    return out.to(q.dtype), weights.to(q.dtype)
+
+
+def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):
+    hq, hkv = q.shape[1], k.shape[1]
+    gqa = {}
+    if hq != hkv and _SDPA_HAS_GQA:
+        gqa = {"enable_gqa": True}
+    elif hq != hkv:  # older torch: repeat the key/value heads
+        k = k.repeat_interleave(hq // hkv, dim=1)  # (b, hq, tk, hd)
+        v = v.repeat_interleave(hq // hkv, dim=1)  # (b, hq, tk, hdv)
+    if allowed is None and bias is None:  # nothing can empty a row: no mask tensor needed
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, scale=scale, is_causal=is_causal, **gqa
+        )
+    row_has_key = None
+    attn_mask = bias.to(q.dtype) if bias is not None else None
+    if allowed is not None:
+        row_has_key = allowed.any(dim=-1, keepdim=True)  # (..., tq, 1)
+        open_rows = allowed | ~row_has_key  # empty rows attend to all, then are zeroed
+        attn_mask = (
+            open_rows if attn_mask is None else attn_mask.masked_fill(~open_rows, -torch.inf)
+        )
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
+    )
+    return out if row_has_key is None else out * row_has_key.to(out.dtype)
+
+
+def _split_mask(mask, q, k):
+    """(allowed bool or None, additive float bias with no -inf, or None) from the user mask."""
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a bool or float tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = may attend) or an additive float mask, "
+            f"got dtype {mask.dtype}"
+        )
+    scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        fits = torch.broadcast_shapes(mask.shape, scores_shape) == scores_shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' "
+            f"(batch, heads, queries, keys) = {scores_shape}"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    if mask.dtype == torch.bool:
+        return mask, None
+    allowed = mask > -torch.inf
+    return allowed, mask.masked_fill(~allowed, 0.0)
+
+
+def _check_qkv(q: object, k: object, v: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndims=(4,), layout="(batch, heads, tokens, head_dim)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k, v batch sizes differ: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, heads and tokens"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q head_dim ({q.shape[-1]}) must equal k head_dim ({k.shape[-1]})")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"key/value heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+
+
+def _check_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+def _choose_backend(backend: object, need_weights: bool) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if need_weights and backend == "sdpa":
+        raise ValueError(
+            "need_weights=True needs backend 'math' or 'auto': the 'sdpa' backend "
+            "never materialises the weights"
+        )
+    if backend == "auto":
+        return "math" if need_weights else "sdpa"
+    return backend

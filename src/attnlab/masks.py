@@ -1,0 +1,133 @@
+"""Every attention mask attnlab builds, in one polarity: boolean True where a query MAY attend
+to a key (the convention of F.scaled_dot_product_attention and Hugging Face).
+
+PyTorch's nn.MultiheadAttention uses the opposite polarity (True = blocked); convert at that
+boundary with `from_torch_mask` / `to_torch_mask`, nowhere else. Shapes: (queries, keys) for
+positional masks, (batch, 1, 1, keys) for padding, both broadcastable to the scores'
+(batch, heads, queries, keys).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab._validate import check_int, check_tensor
+
+
+def _positions(
+    num_queries: int, num_keys: int | None, offset: int | None, device: torch.device | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions of the queries (column) and keys (row)."""
+    num_queries = check_int("num_queries", num_queries)
+    num_keys = num_queries if num_keys is None else check_int("num_keys", num_keys)
+    offset = num_keys - num_queries if offset is None else check_int("offset", offset, minimum=0)
+    query_pos = torch.arange(num_queries, device=device).unsqueeze(1) + offset  # (q, 1)
+    key_pos = torch.arange(num_keys, device=device).unsqueeze(0)  # (1, k)
+    return query_pos, key_pos
+
+
+def causal_mask(
+    num_queries: int,
+    num_keys: int | None = None,
+    *,
+    offset: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """(queries, keys) bool: query i, at absolute position offset + i, may see keys <= it.
+
+    offset defaults to num_keys - num_queries: the queries are the newest tokens, as in
+    decoding with a cache (for a square mask it is 0, the usual lower triangle).
+    """
+    query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
+    return key_pos <= query_pos
+
+
+def sliding_window_mask(
+    num_queries: int,
+    num_keys: int | None = None,
+    *,
+    window: int,
+    offset: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """(queries, keys) bool: causal, and each query sees at most the `window` most recent
+    keys, itself included."""
+    window = check_int("window", window)
+    query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """(batch, 1, 1, keys) bool from each sequence's true length: keys at or past it are
+    padding. `lengths` is a 1-D integer tensor."""
+    num_keys = check_int("num_keys", num_keys)
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise TypeError("lengths must be a 1-D integer tensor (one length per sequence)")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
+    if ((lengths < 0) | (lengths > num_keys)).any():
+        raise ValueError(f"lengths must be in [0, num_keys={num_keys}], got {lengths.tolist()}")
+    keep = torch.arange(num_keys, device=lengths.device) < lengths.unsqueeze(1)  # (b, k)
+    return keep[:, None, None, :]  # (b, 1, 1, k)
+
+
+def padding_mask(keep: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, 1, keys) bool from a (batch, tokens) keep-mask (True = a real token)."""
+    if not isinstance(keep, torch.Tensor) or keep.dim() != 2 or keep.dtype != torch.bool:
+        got = (
+            f"dtype {keep.dtype}, shape {tuple(keep.shape)}"
+            if isinstance(keep, torch.Tensor)
+            else type(keep).__name__
+        )
+        raise TypeError(f"keep must be a (batch, tokens) bool tensor, got {got}")
+    return keep[:, None, None, :]  # (b, 1, 1, k)
+
+
+def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
+    """Logical AND of boolean masks (None entries are skipped), broadcast together."""
+    present = [m for m in masks if m is not None]
+    for i, m in enumerate(present):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+            raise TypeError(
+                f"masks[{i}] must be a bool tensor, got {getattr(m, 'dtype', type(m).__name__)}"
+            )
+    if not present:
+        return None
+    try:
+        shape = torch.broadcast_shapes(*(m.shape for m in present))
+    except RuntimeError as error:
+        shapes = [tuple(m.shape) for m in present]
+        raise ValueError(f"masks of shapes {shapes} do not broadcast together") from error
+    combined = torch.ones(shape, dtype=torch.bool, device=present[0].device)
+    for m in present:
+        combined = combined & m
+    return combined
+
+
+def from_torch_mask(mask: torch.Tensor) -> torch.Tensor:
+    """nn.MultiheadAttention's mask to attnlab's: a bool mask is inverted (True = blocked
+    becomes True = may attend); a float additive mask is returned unchanged."""
+    mask = check_tensor(
+        "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
+    )
+    return ~mask if mask.dtype == torch.bool else mask
+
+
+def to_torch_mask(mask: torch.Tensor) -> torch.Tensor:
+    """attnlab's bool mask to nn.MultiheadAttention's polarity (True = blocked)."""
+    mask = check_tensor(
+        "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
+    )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor to invert, got dtype {mask.dtype}")
+    return ~mask
+
+
+def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A bool mask as an additive float mask: 0 where attending is allowed, -inf elsewhere."""
+    mask = check_tensor(
+        "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
+    )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -torch.inf)

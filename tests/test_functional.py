@@ -1,0 +1,185 @@
+"""attnlab.functional.attention: both backends equal an explicit per-head reference, the
+book's classes and PyTorch's SDPA; empty rows are zero with finite gradients."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnlab import book, masks
+from attnlab.functional import attention
+
+
+def reference(q, k, v, allowed=None, scale=None):
+    """One head at a time, kv head h // groups, plain softmax; empty rows set to zero."""
+    b, hq, tq, hd = q.shape
+    groups = hq // k.shape[1]
+    scale = 1 / math.sqrt(hd) if scale is None else scale
+    out = torch.zeros(b, hq, tq, v.shape[-1], dtype=torch.float64)
+    for i in range(b):
+        for h in range(hq):
+            s = q[i, h].double() @ k[i, h // groups].double().T * scale
+            if allowed is not None:
+                ok = allowed.expand(b, hq, tq, k.shape[2])[i, h]
+                s = s.masked_fill(~ok, -math.inf)
+            w = torch.softmax(s, dim=-1).nan_to_num(0.0)
+            out[i, h] = w @ v[i, h // groups].double()
+    return out.to(q.dtype)
+
+
+@st.composite
+def configs(draw):
+    b, hkv = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    hq = hkv * draw(st.integers(1, 3))
+    tq = draw(st.integers(1, 7))
+    tk = tq + draw(st.integers(0, 4))
+    return dict(
+        b=b,
+        hq=hq,
+        hkv=hkv,
+        tq=tq,
+        tk=tk,
+        hd=draw(st.integers(1, 6)),
+        hdv=draw(st.integers(1, 6)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        causal=draw(st.booleans()),
+        pad=draw(st.booleans()),
+        window=draw(st.one_of(st.none(), st.integers(1, 5))),
+    )
+
+
+def build(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    q = torch.randn(c["b"], c["hq"], c["tq"], c["hd"], generator=g)
+    k = torch.randn(c["b"], c["hkv"], c["tk"], c["hd"], generator=g)
+    v = torch.randn(c["b"], c["hkv"], c["tk"], c["hdv"], generator=g)
+    lengths = torch.randint(0, c["tk"] + 1, (c["b"],), generator=g)
+    mask = masks.combine_masks(
+        masks.padding_mask_from_lengths(lengths, c["tk"]) if c["pad"] else None,
+        masks.sliding_window_mask(c["tq"], c["tk"], window=c["window"]) if c["window"] else None,
+    )
+    return q, k, v, mask
+
+
+@given(configs())
+def test_backends_equal_the_reference(c):
+    q, k, v, mask = build(c)
+    allowed = masks.combine_masks(
+        mask, masks.causal_mask(c["tq"], c["tk"]) if c["causal"] else None
+    )
+    expected = reference(q, k, v, allowed)
+    for backend in ("math", "sdpa", "auto"):
+        out = attention(q, k, v, mask=mask, causal=c["causal"], backend=backend)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    additive = None if mask is None else masks.to_additive(mask)
+    torch.testing.assert_close(
+        attention(q, k, v, mask=additive, causal=c["causal"]), expected, rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_fully_masked_rows_are_zero_with_finite_gradients(backend):
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 4, 3, requires_grad=True)
+    k = torch.randn(2, 2, 4, 3, requires_grad=True)
+    v = torch.randn(2, 2, 4, 3, requires_grad=True)
+    mask = masks.padding_mask_from_lengths(torch.tensor([0, 2]), 4)  # sequence 0: all padding
+    out = attention(q, k, v, mask=mask, causal=True, backend=backend)
+    assert torch.all(out[0] == 0) and torch.isfinite(out).all()
+    (out * torch.randn_like(out)).sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.all(q.grad[0] == 0)
+
+
+def test_gradients_agree_between_backends():
+    torch.manual_seed(1)
+    q, k, v = (
+        torch.randn(2, 4, 6, 5, dtype=torch.float64, requires_grad=True),
+        torch.randn(2, 2, 6, 5, dtype=torch.float64, requires_grad=True),
+        torch.randn(2, 2, 6, 5, dtype=torch.float64, requires_grad=True),
+    )
+    mask = masks.padding_mask_from_lengths(torch.tensor([6, 3]), 6)
+    grads = []
+    for backend in ("math", "sdpa"):
+        out = attention(q, k, v, mask=mask, causal=True, backend=backend)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+def test_equals_book_multi_head_attention_before_out_proj():
+    torch.manual_seed(123)
+    mha = book.MultiHeadAttention(3, 4, 6, 0.0, num_heads=2)
+    x = book.example_batch()
+
+    def heads(p):
+        return p.view(2, 6, 2, 2).transpose(1, 2)  # (b, t, d_out) -> (b, h, t, hd)
+
+    with torch.no_grad():
+        out = attention(
+            heads(mha.W_query(x)), heads(mha.W_key(x)), heads(mha.W_value(x)), causal=True
+        )
+        out = mha.out_proj(out.transpose(1, 2).reshape(2, 6, 4))  # (b, t, d_out)
+        torch.testing.assert_close(out, mha(x), rtol=1e-5, atol=1e-6)
+
+
+def test_need_weights_returns_the_weights_used():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 3)
+    out, weights = attention(q, k, v, causal=True, need_weights=True)
+    assert weights.shape == (1, 2, 5, 5) and torch.all(weights.triu(1) == 0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1, 2, 5))
+    torch.testing.assert_close(out, weights @ v, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_only_when_training():
+    torch.manual_seed(3)
+    q = k = v = torch.randn(1, 1, 8, 4)
+    plain = attention(q, k, v, backend="math")
+    torch.testing.assert_close(attention(q, k, v, dropout_p=0.5, backend="math"), plain)
+    assert not torch.allclose(
+        attention(q, k, v, dropout_p=0.5, training=True, backend="math"), plain
+    )
+
+
+def test_half_precision_matches_float32():
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    expected = attention(q, k, v, causal=True, backend="math")
+    got = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend="math")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(expected, sdpa, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            dict(k=torch.randn(1, 3, 4, 8), v=torch.randn(1, 3, 4, 8)),
+            ValueError,
+            r"key/value heads \(3\) must divide query heads \(4\)",
+        ),
+        (dict(mask=torch.ones(1, 1, 4, 5, dtype=torch.bool)), ValueError, "does not broadcast"),
+        (dict(mask=torch.ones(4, 4, dtype=torch.long)), TypeError, "mask must be bool"),
+        (dict(need_weights=True, backend="sdpa"), ValueError, "need_weights=True needs backend"),
+        (dict(backend="flash"), ValueError, "backend must be one of"),
+        (dict(dropout_p=1.0, training=True), ValueError, r"dropout_p must be in \[0, 1\)"),
+        (dict(scale=0.0), ValueError, "scale must be a positive"),
+        (dict(q=torch.randn(4, 4, 8)), ValueError, r"q must have shape \(batch, heads, tokens"),
+        (dict(v=torch.randn(1, 2, 5, 8)), ValueError, "must agree in batch, heads and tokens"),
+        (dict(k=torch.randn(1, 2, 4, 7), v=torch.randn(1, 2, 4, 8)), ValueError, "head_dim"),
+        (dict(v=torch.randn(1, 2, 4, 8, dtype=torch.float64)), TypeError, "share a dtype"),
+    ],
+)
+def test_bad_input(kwargs, error, message):
+    args = dict(q=torch.randn(1, 4, 4, 8), k=torch.randn(1, 2, 4, 8), v=torch.randn(1, 2, 4, 8))
+    args.update(kwargs)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(error, match=message):
+        attention(q, k, v, **args)

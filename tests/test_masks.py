@@ -1,0 +1,88 @@
+"""attnlab.masks: one polarity (True = may attend), checked against the book and PyTorch."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnlab import book, masks
+
+
+@pytest.mark.parametrize("n", [1, 2, 6, 11])
+def test_causal_mask_is_the_books_keep_mask(n):
+    assert torch.equal(masks.causal_mask(n), book.causal_keep_mask(n).bool())
+    assert torch.equal(masks.to_torch_mask(masks.causal_mask(n)), book.causal_future_mask(n).bool())
+    assert torch.equal(masks.to_additive(masks.causal_mask(n)), book.additive_causal_mask(n))
+
+
+@given(st.integers(1, 8), st.integers(0, 8))
+def test_offset_causal_mask_is_the_bottom_rows_of_the_full_one(tq, extra):
+    tk = tq + extra
+    assert torch.equal(masks.causal_mask(tq, tk), masks.causal_mask(tk)[tk - tq :])
+    assert torch.equal(masks.causal_mask(tq, tk, offset=0), masks.causal_mask(tk)[:tq])
+
+
+@given(st.integers(1, 10), st.integers(1, 12))
+def test_sliding_window_sees_at_most_window_keys_itself_included(n, window):
+    m = masks.sliding_window_mask(n, window=window)
+    assert torch.all(m.sum(-1) == torch.clamp(torch.arange(n) + 1, max=window))
+    assert torch.all(m.diagonal()) and not torch.any(m & ~masks.causal_mask(n))
+    if window >= n:
+        assert torch.equal(m, masks.causal_mask(n))
+
+
+def test_padding_from_lengths_equals_from_keep_mask():
+    keep = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    from_lengths = masks.padding_mask_from_lengths(torch.tensor([3, 1]), 4)
+    assert from_lengths.shape == (2, 1, 1, 4)
+    assert torch.equal(from_lengths, masks.padding_mask(keep))
+
+
+def test_combine_and_torch_polarity_round_trip():
+    causal = masks.causal_mask(4)
+    pad = masks.padding_mask_from_lengths(torch.tensor([4, 2]), 4)
+    both = masks.combine_masks(causal, None, pad)
+    assert both.shape == (2, 1, 4, 4)
+    assert torch.equal(both[1, 0], causal & torch.tensor([True, True, False, False]))
+    assert masks.combine_masks(None, None) is None
+    assert torch.equal(masks.from_torch_mask(masks.to_torch_mask(both)), both)
+    additive = masks.to_additive(causal)
+    assert masks.from_torch_mask(additive) is additive  # float masks mean the same in both
+
+
+def test_torch_mha_agrees_with_converted_masks():
+    """nn.MultiheadAttention given to_torch_mask(m) equals it given the additive version."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    allowed = masks.sliding_window_mask(5, window=2)
+    by_bool, _ = mha(x, x, x, attn_mask=masks.to_torch_mask(allowed), need_weights=False)
+    by_float, _ = mha(x, x, x, attn_mask=masks.to_additive(allowed), need_weights=False)
+    torch.testing.assert_close(by_bool, by_float, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: masks.causal_mask(0), ValueError, "num_queries must be >= 1, got 0"),
+        (lambda: masks.causal_mask(3, offset=-1), ValueError, "offset must be >= 0"),
+        (lambda: masks.sliding_window_mask(3, window=0), ValueError, "window must be >= 1"),
+        (
+            lambda: masks.padding_mask_from_lengths(torch.tensor([5]), 4),
+            ValueError,
+            r"lengths must be in \[0, num_keys=4\], got \[5\]",
+        ),
+        (lambda: masks.padding_mask_from_lengths(torch.tensor([1.0]), 4), TypeError, "integer"),
+        (lambda: masks.padding_mask(torch.ones(2, 3)), TypeError, "keep must be a .* bool tensor"),
+        (lambda: masks.combine_masks(torch.ones(2, 2)), TypeError, r"masks\[0\] must be a bool"),
+        (
+            lambda: masks.combine_masks(masks.causal_mask(3), masks.causal_mask(4)),
+            ValueError,
+            "do not broadcast",
+        ),
+        (lambda: masks.to_torch_mask(torch.zeros(3, 3)), TypeError, "must be a bool tensor"),
+    ],
+)
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
