@@ -68,6 +68,23 @@ def check_tensor(
     return x
 
 
+def check_like_module(name: str, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """Raise if `x` has another dtype or device than the module's parameters, naming the fix."""
+    param = next(module.parameters(), None)
+    if param is None:
+        return x
+    if x.dtype != param.dtype:
+        raise TypeError(
+            f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "
+            f"convert one of them (module.to({x.dtype}) or {name}.to({param.dtype}))"
+        )
+    if x.device != param.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the module's parameters are on {param.device}"
+        )
+    return x
+
+
 def check_tokens(name: str, num_tokens: int, context_length: int) -> None:
     """Raise if a sequence is longer than the causal mask the module was built for."""
     if num_tokens > context_length:

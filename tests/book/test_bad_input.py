@@ -134,3 +134,25 @@ def test_validation_survives_python_dash_o():
         [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True
     )
     assert "raised: num_heads (3) must divide d_out (8)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        book.SelfAttention_v1(3, 2),
+        book.SelfAttention_v2(3, 2),
+        book.CausalAttention(3, 2, 6, 0.0),
+        book.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2),
+        book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_input_dtype_must_match_the_module(module):
+    with pytest.raises(TypeError, match=r"x has dtype torch\.float64 but the module's parameters"):
+        module(torch.randn(2, 6, 3, dtype=torch.float64))
+    assert module.double()(torch.randn(2, 6, 3, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_per_head_input_dtype_must_match():
+    with pytest.raises(TypeError, match=r"X has dtype torch\.float64"):
+        book.MultiHeadSelfAttention(4, heads=2)(torch.randn(2, 4, dtype=torch.float64))

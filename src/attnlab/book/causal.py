@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab._validate import check_dropout, check_int, check_tensor, check_tokens
+from attnlab._validate import (
+    check_dropout,
+    check_int,
+    check_like_module,
+    check_tensor,
+    check_tokens,
+)
 from attnlab.book.trainable import scaled_softmax
 
 
@@ -100,6 +106,7 @@ class CausalAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = check_tensor("x", x, ndims=(3,), layout="(batch, tokens, d_in)", last_dim=self.d_in)
+        check_like_module("x", x, self)
         num_tokens = x.shape[1]
         check_tokens("x", num_tokens, self.context_length)
         keys = self.W_key(x)  # (b, tokens, d_out)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab._validate import check_divides, check_dropout, check_int, check_tensor, check_tokens
+from attnlab._validate import (
+    check_divides,
+    check_dropout,
+    check_int,
+    check_like_module,
+    check_tensor,
+    check_tokens,
+)
 from attnlab.book.causal import CausalAttention
 from attnlab.book.trainable import scaled_softmax
 
@@ -79,6 +86,7 @@ class MultiHeadAttention(nn.Module):
 
     def _check_x(self, x: object) -> torch.Tensor:
         x = check_tensor("x", x, ndims=(3,), layout="(batch, tokens, d_in)", last_dim=self.d_in)
+        check_like_module("x", x, self)
         check_tokens("x", x.shape[1], self.context_length)
         return x
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab._validate import check_int, check_tensor
+from attnlab._validate import check_int, check_like_module, check_tensor
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -58,6 +58,7 @@ class MultiHeadSelfAttention(nn.Module):
         X = check_tensor(
             "X", X, ndims=(2, 3), layout="(L, D) or (B, L, D)", last_dim=self._D, last_dim_name="D"
         )
+        check_like_module("X", X, self)
         heads = []
         for h in range(self._heads):
             wq, wk, wv = self.head_weights(h)

@@ -11,13 +11,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab._validate import check_int, check_tensor
+from attnlab._validate import check_int, check_like_module, check_tensor
 
 
-def _check_x(x: object, d_in: int) -> torch.Tensor:
-    return check_tensor(
-        "x", x, ndims=(2, 3), layout="(tokens, d_in) or (batch, tokens, d_in)", last_dim=d_in
+def _check_x(x: object, module: nn.Module) -> torch.Tensor:
+    x = check_tensor(
+        "x",
+        x,
+        ndims=(2, 3),
+        layout="(tokens, d_in) or (batch, tokens, d_in)",
+        last_dim=module.d_in,
     )
+    return check_like_module("x", x, module)
 
 
 def scaled_softmax(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
@@ -37,7 +42,7 @@ class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _check_x(x, self.d_in)
+        x = _check_x(x, self)
         keys = x @ self.W_key  # (..., tokens, d_out)
         queries = x @ self.W_query
         values = x @ self.W_value
@@ -59,7 +64,7 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The (..., tokens, tokens) weights the forward pass uses (start of section 3.5)."""
-        return self._weights(_check_x(x, self.d_in))
+        return self._weights(_check_x(x, self))
 
     def _weights(self, x: torch.Tensor) -> torch.Tensor:
         keys = self.W_key(x)
@@ -68,7 +73,7 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
         return scaled_softmax(attn_scores, keys.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _check_x(x, self.d_in)
+        x = _check_x(x, self)
         return self._weights(x) @ self.W_value(x)  # (..., tokens, d_out)
 
 
