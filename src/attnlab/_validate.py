@@ -22,6 +22,13 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: object) -> bool:
+    """Return `value` if it is a bool (a string such as "no" would silently mean True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
+
+
 def check_dropout(name: str, value: object) -> float:
     """Return `value` as a float if it is a probability in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

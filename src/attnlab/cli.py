@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 from attnlab import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `attnlab` parser: one subcommand per tool."""
     parser = argparse.ArgumentParser(
         prog="attnlab", description="Attention mechanisms for PyTorch, step by step."
     )
@@ -27,9 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command named in `argv` (default: sys.argv); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            parser.error(f"--out {args.out!r} exists and is not a folder")
         from attnlab.demo import run_demo  # matplotlib is imported only when drawing
 
         run_demo(args.out)

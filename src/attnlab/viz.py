@@ -30,6 +30,10 @@ def save_heatmap(
     Rows are queries (labelled by `labels`), columns are keys (`key_labels`, default the same).
     """
     weights = check_tensor("weights", weights, ndims=(2,), layout="(queries, keys)")
+    if weights.numel() == 0:
+        raise ValueError(f"weights must not be empty, got shape {tuple(weights.shape)}")
+    if isinstance(labels, str) or not isinstance(labels, Sequence):
+        raise TypeError(f"labels must be a sequence of strings, got {type(labels).__name__}")
     key_labels = labels if key_labels is None else key_labels
     if len(labels) != weights.shape[0] or len(key_labels) != weights.shape[1]:
         raise ValueError(
@@ -60,6 +64,8 @@ def save_heatmap(
         ax.set_title(title)
     fig.tight_layout()
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path {str(path)!r} is a folder; give a file name such as w.png")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # exactly `path`, whatever its suffix
     return path

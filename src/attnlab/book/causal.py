@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from attnlab._validate import (
+    check_bool,
     check_dropout,
     check_int,
     check_like_module,
@@ -53,10 +54,14 @@ def additive_causal_mask(num_tokens: int) -> torch.Tensor:
 
 
 def causal_weights_renormalised(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
-    """Way 1 (figure 3.20): softmax, zero the weights above the diagonal, renormalise rows."""
+    """Way 1 (figure 3.20): softmax, zero the weights above the diagonal, renormalise rows.
+
+    Numerically the weakest way: if the softmax underflows every kept weight of a row to 0
+    (a future score far above the rest), the row is 0 / 0 = NaN where ways 2 and 3 are fine.
+    """
     attn_scores = _check_scores(attn_scores)
     attn_weights = scaled_softmax(attn_scores, check_int("d_k", d_k))
-    masked_simple = attn_weights * causal_keep_mask(attn_scores.shape[-1])
+    masked_simple = attn_weights * causal_keep_mask(attn_scores.shape[-1]).to(attn_weights)
     row_sums = masked_simple.sum(dim=-1, keepdim=True)
     return masked_simple / row_sums
 
@@ -64,7 +69,7 @@ def causal_weights_renormalised(attn_scores: torch.Tensor, d_k: int) -> torch.Te
 def mask_future_scores(attn_scores: torch.Tensor) -> torch.Tensor:
     """Fill the scores above the diagonal with -inf (the chapter's `masked`), out of place."""
     attn_scores = _check_scores(attn_scores)
-    future = causal_future_mask(attn_scores.shape[-1]).bool()
+    future = causal_future_mask(attn_scores.shape[-1]).to(attn_scores.device).bool()
     return attn_scores.masked_fill(future, -torch.inf)
 
 
@@ -76,7 +81,7 @@ def causal_weights_neg_inf(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
 def causal_weights_additive(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
     """Way 3 (seed 003): softmax((scores + M) / sqrt(d_k)) with the additive mask M."""
     attn_scores = _check_scores(attn_scores)
-    masked = attn_scores + additive_causal_mask(attn_scores.shape[-1])
+    masked = attn_scores + additive_causal_mask(attn_scores.shape[-1]).to(attn_scores)
     return scaled_softmax(masked, check_int("d_k", d_k))
 
 
@@ -96,6 +101,7 @@ class CausalAttention(nn.Module):
         self.d_out = check_int("d_out", d_out)
         self.context_length = check_int("context_length", context_length)
         check_dropout("dropout", dropout)
+        check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)

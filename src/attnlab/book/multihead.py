@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from attnlab._validate import (
+    check_bool,
     check_divides,
     check_dropout,
     check_int,
@@ -75,6 +76,7 @@ class MultiHeadAttention(nn.Module):
         check_divides("num_heads", num_heads, "d_out", d_out)
         check_dropout("dropout", dropout)
         self.head_dim = d_out // num_heads
+        check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)

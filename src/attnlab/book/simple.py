@@ -17,16 +17,21 @@ def _check_inputs(inputs: object) -> torch.Tensor:
     return check_tensor("inputs", inputs, ndims=(2,), layout="(tokens, d)")
 
 
-def _check_vector(name: str, x: object, length: int, length_name: str) -> torch.Tensor:
-    return check_tensor(
+def _check_vector(
+    name: str, x: object, length: int, length_name: str, like: torch.Tensor
+) -> torch.Tensor:
+    x = check_tensor(
         name, x, ndims=(1,), layout=f"({length_name},)", last_dim=length, last_dim_name=length_name
     )
+    if x.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but the other operand has {like.dtype}")
+    return x
 
 
 def dot_product_loop(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The dot product as the chapter spells it out: multiply element-wise, then sum."""
     x = check_tensor("x", x, ndims=(1,), layout="(d,)")
-    y = _check_vector("y", y, x.shape[0], "len(x)")
+    y = _check_vector("y", y, x.shape[0], "len(x)", x)
     res = torch.zeros((), dtype=x.dtype)
     for idx in range(x.shape[0]):
         res += x[idx] * y[idx]
@@ -36,7 +41,7 @@ def dot_product_loop(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def attention_scores_for_query(inputs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Scores omega_i = x_i . query for one query, by a loop over the tokens (attn_scores_2)."""
     inputs = _check_inputs(inputs)
-    query = _check_vector("query", query, inputs.shape[1], "d")
+    query = _check_vector("query", query, inputs.shape[1], "d", inputs)
     attn_scores = torch.empty(inputs.shape[0], dtype=inputs.dtype)
     for i, x_i in enumerate(inputs):
         attn_scores[i] = torch.dot(x_i, query)
@@ -72,14 +77,14 @@ def softmax_naive(x: torch.Tensor) -> torch.Tensor:
     It overflows: exp(x) is inf in float32 once x > 88.7, and inf / inf is NaN, where
     torch.softmax subtracts the maximum first and stays finite.
     """
-    x = check_tensor("x", x, ndims=(1, 2), layout="(tokens,) or (rows, tokens)")
+    x = check_tensor("x", x, ndims=(1,), layout="(tokens,)")
     return torch.exp(x) / torch.exp(x).sum(dim=0)
 
 
 def context_vector_loop(inputs: torch.Tensor, attn_weights: torch.Tensor) -> torch.Tensor:
     """The context vector z = sum_i alpha_i x_i for one query, by a loop over the tokens."""
     inputs = _check_inputs(inputs)
-    attn_weights = _check_vector("attn_weights", attn_weights, inputs.shape[0], "tokens")
+    attn_weights = _check_vector("attn_weights", attn_weights, inputs.shape[0], "tokens", inputs)
     context_vec = torch.zeros(inputs.shape[1], dtype=inputs.dtype)
     for i, x_i in enumerate(inputs):
         context_vec += attn_weights[i] * x_i

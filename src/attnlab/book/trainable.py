@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab._validate import check_int, check_like_module, check_tensor
+from attnlab._validate import check_bool, check_int, check_like_module, check_tensor
 
 
 def _check_x(x: object, module: nn.Module) -> torch.Tensor:
@@ -27,6 +27,7 @@ def _check_x(x: object, module: nn.Module) -> torch.Tensor:
 
 def scaled_softmax(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
     """softmax(scores / sqrt(d_k)) over the keys: the chapter's attention weights."""
+    d_k = check_int("d_k", d_k)
     return torch.softmax(attn_scores / d_k**0.5, dim=-1)
 
 
@@ -58,6 +59,7 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
         super().__init__()
         self.d_in = check_int("d_in", d_in)
         self.d_out = check_int("d_out", d_out)
+        check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -104,15 +106,22 @@ def attention_for_query(
         w = check_tensor(name, w, ndims=(2,), layout="(d_in, d_out)")
         if w.shape[0] != d_in:
             raise ValueError(f"{name} has {w.shape[0]} rows but inputs has d_in = {d_in}")
+        if w.dtype != inputs.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but inputs has {inputs.dtype}")
+    if W_query.shape[1] != W_key.shape[1]:
+        raise ValueError(
+            f"W_query ({W_query.shape[1]} columns) and W_key ({W_key.shape[1]}) "
+            f"must project to the same width"
+        )
     check_int("query_index", query_index, minimum=0)
     if query_index >= tokens:
         raise ValueError(f"query_index ({query_index}) must be < the number of tokens ({tokens})")
     x_i = inputs[query_index]
-    query = x_i @ W_query
-    keys = inputs @ W_key
-    values = inputs @ W_value
-    attn_scores = query @ keys.T
-    attn_weights = scaled_softmax(attn_scores, keys.shape[-1])
+    query = x_i @ W_query  # (d_out,)
+    keys = inputs @ W_key  # (tokens, d_out)
+    values = inputs @ W_value  # (tokens, d_out_v)
+    attn_scores = query @ keys.T  # (tokens,)
+    attn_weights = scaled_softmax(attn_scores, keys.shape[-1])  # (tokens,)
     return QueryStep(
         query=query,
         keys=keys,
