@@ -5,6 +5,8 @@ import torch
 
 def assert_causal(module, x: torch.Tensor, t: int) -> None:
     """Changing the tokens after position t must leave the outputs up to t unchanged."""
+    if not 0 <= t < x.shape[1] - 1:
+        raise ValueError(f"t ({t}) must leave a later token to change (tokens: {x.shape[1]})")
     changed = x.clone()
     changed[:, t + 1 :] = torch.randn_like(changed[:, t + 1 :]) * 3
     with torch.no_grad():
@@ -15,6 +17,8 @@ def assert_causal(module, x: torch.Tensor, t: int) -> None:
 
 def assert_leaks(module, x: torch.Tensor, t: int) -> None:
     """The opposite: some output up to t moves when a later token changes."""
+    if not 0 <= t < x.shape[1] - 1:
+        raise ValueError(f"t ({t}) must leave a later token to change (tokens: {x.shape[1]})")
     changed = x.clone()
     changed[:, t + 1 :] += 1.0
     with torch.no_grad():

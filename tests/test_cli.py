@@ -22,3 +22,15 @@ def test_python_dash_m_and_version():
         [sys.executable, "-m", "attnlab", "--version"], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == f"attnlab {__version__}"
+
+
+def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    existing = tmp_path / "file.txt"
+    existing.write_text("x")
+    try:
+        cli.main(["demo", "--out", str(existing)])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("expected a usage error")
+    assert "exists and is not a folder" in capsys.readouterr().err

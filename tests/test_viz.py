@@ -26,3 +26,12 @@ def test_labels_must_match_the_weights(tmp_path):
         viz.save_heatmap(torch.eye(3), ["a", "b"], tmp_path / "w.png")
     with pytest.raises(ValueError, match=r"weights must have shape \(queries, keys\)"):
         viz.save_heatmap(torch.ones(3), ["a", "b", "c"], tmp_path / "w.png")
+
+
+def test_returns_the_file_it_wrote_and_refuses_folders(tmp_path):
+    path = viz.save_heatmap(torch.eye(2), ["x", "y"], tmp_path / "no_suffix")
+    assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="is a folder"):
+        viz.save_heatmap(torch.eye(2), ["x", "y"], tmp_path)
+    with pytest.raises(TypeError, match="labels must be a sequence"):
+        viz.save_heatmap(torch.eye(2), None, tmp_path / "w.png")

@@ -156,3 +156,61 @@ def test_input_dtype_must_match_the_module(module):
 def test_per_head_input_dtype_must_match():
     with pytest.raises(TypeError, match=r"X has dtype torch\.float64"):
         book.MultiHeadSelfAttention(4, heads=2)(torch.randn(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "message"),
+    [
+        (torch.ones(5, 5, dtype=torch.bool), TypeError, "additive float mask"),
+        ([[0.0]], TypeError, "additive float mask"),
+        (torch.zeros(3, 3), ValueError, r"does not broadcast to the scores' shape \(2, 5, 5\)"),
+    ],
+)
+def test_per_head_attn_mask(mask, error, message):
+    with pytest.raises(error, match=message):
+        book.MultiHeadSelfAttention(4, heads=2)(torch.randn(2, 5, 4), attn_mask=mask)
+
+
+def test_per_head_attn_mask_follows_the_input_dtype():
+    layer = book.MultiHeadSelfAttention(4, heads=2).double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    out = layer(x, attn_mask=book.additive_causal_mask(5))  # a float32 mask
+    torch.testing.assert_close(out, layer(x, attn_mask=book.additive_causal_mask(5).double()))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(key=torch.randn(2, 5, 7)), ValueError, r"key has last dimension 7 but mha\.kdim"),
+        (dict(key=torch.randn(2, 5, 8), value=torch.randn(2, 4, 8)), ValueError, "key has 5"),
+        (dict(attn_mask=[[0.0]]), TypeError, "additive float mask"),
+        (dict(attn_mask=torch.zeros(4, 3, 5)), ValueError, "does not broadcast"),
+        (dict(key=torch.randn(2, 5, 8, dtype=torch.float64)), TypeError, "key has dtype"),
+    ],
+)
+def test_torch_attention_by_heads_checks_its_inputs(kwargs, error, message):
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    with pytest.raises(error, match=message):
+        book.torch_attention_by_heads(mha, torch.randn(2, 3, 8), **kwargs)
+
+
+def test_qkv_bias_must_be_a_bool():
+    for make in (
+        lambda: book.SelfAttention_v2(3, 2, qkv_bias="no"),
+        lambda: book.CausalAttention(3, 2, 6, 0.0, qkv_bias="no"),
+        lambda: book.MultiHeadAttention(3, 2, 6, 0.0, 2, qkv_bias="no"),
+    ):
+        with pytest.raises(TypeError, match=r"qkv_bias must be a bool, got str \('no'\)"):
+            make()
+
+
+def test_softmax_naive_is_one_dimensional_and_helpers_check_dtypes():
+    with pytest.raises(ValueError, match=r"x must have shape \(tokens,\)"):
+        book.softmax_naive(torch.randn(2, 3))
+    with pytest.raises(TypeError, match=r"query has dtype torch\.float64"):
+        book.attention_scores_for_query(book.INPUTS, book.INPUTS[1].double())
+    with pytest.raises(ValueError, match="d_k must be >= 1, got 0"):
+        book.scaled_softmax(torch.randn(3, 3), 0)
+    w = torch.rand(3, 2)
+    with pytest.raises(ValueError, match="must project to the same width"):
+        book.attention_for_query(book.INPUTS, w, torch.rand(3, 4), w)

@@ -26,7 +26,7 @@ def test_three_ways_of_masking_agree(seed, n, lead, d_k):
         book.causal_weights_additive(scores, d_k), renormalised, rtol=1e-5, atol=1e-6
     )
     assert torch.all(renormalised.triu(diagonal=1) == 0)
-    torch.testing.assert_close(renormalised.sum(-1), torch.ones(*lead, n))
+    torch.testing.assert_close(renormalised.sum(-1), torch.ones(*lead, n), rtol=1e-6, atol=1e-6)
 
 
 def test_additive_mask_is_the_blogs_mask_m():
@@ -48,6 +48,15 @@ def test_seed_002_seven_row_mask_is_a_typo():
     assert typo.shape == (7, 6) and book.causal_keep_mask(6).shape == (6, 6)
     assert torch.equal(typo[3], typo[4])  # the row "[1, 1, 1, 1, 0, 0]" twice
     assert torch.equal(torch.cat([typo[:4], typo[5:]]), book.causal_keep_mask(6))
+
+
+def test_seed_002_seven_row_dropout_matrix_is_the_same_typo():
+    """002's second dropout(ones) rendering repeats a row of 004's matrix."""
+    typo = printed.DROPOUT_ONES_002_TYPO
+    assert torch.equal(typo[4], typo[5])
+    torch.manual_seed(123)
+    drawn = torch.nn.Dropout(0.5)(torch.ones(6, 6))
+    assert torch.equal(torch.cat([typo[:5], typo[6:]]), drawn)
 
 
 def test_dropout_printouts_of_both_platforms_are_self_consistent():
@@ -83,7 +92,7 @@ def causal_sdpa_reference(ca: book.CausalAttention, x: torch.Tensor) -> torch.Te
 @given(
     seeds,
     st.integers(1, 3),
-    st.integers(1, 10),
+    st.integers(2, 10),
     st.integers(1, 5),
     st.integers(1, 5),
     st.booleans(),
@@ -94,7 +103,7 @@ def test_causal_attention_equals_sdpa_and_is_causal(seed, b, tokens, d_in, d_out
     x = torch.randn(b, tokens, d_in)
     with torch.no_grad():
         torch.testing.assert_close(ca(x), causal_sdpa_reference(ca, x), rtol=1e-5, atol=1e-6)
-    assert_causal(ca, x, tokens // 2)
+    assert_causal(ca, x, tokens // 2 - 1)
     assert_batch_independent(ca, x)
 
 

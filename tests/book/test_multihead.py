@@ -28,7 +28,7 @@ def mha_sdpa_reference(mha: book.MultiHeadAttention, x: torch.Tensor) -> torch.T
 @given(
     seeds,
     st.integers(1, 3),
-    st.integers(1, 9),
+    st.integers(2, 9),
     st.integers(1, 5),
     st.integers(1, 4),
     st.integers(1, 3),
@@ -40,7 +40,7 @@ def test_mha_equals_sdpa_and_is_causal(seed, b, tokens, d_in, num_heads, head_di
     x = torch.randn(b, tokens, d_in)
     with torch.no_grad():
         torch.testing.assert_close(mha(x), mha_sdpa_reference(mha, x), rtol=1e-5, atol=1e-6)
-    assert_causal(mha, x, tokens // 2)
+    assert_causal(mha, x, tokens // 2 - 1)
     assert_batch_independent(mha, x)
 
 
@@ -67,7 +67,7 @@ def test_attention_weights_reproduce_the_forward():
     x = book.example_batch()
     weights = mha.attention_weights(x)
     assert weights.shape == (2, 2, 6, 6)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 6))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 6), rtol=1e-6, atol=1e-6)
     assert torch.all(weights.triu(diagonal=1) == 0)
     values = mha.W_value(x).view(2, 6, 2, 2).transpose(1, 2)  # (b, h, t, hd)
     out = mha.out_proj((weights @ values).transpose(1, 2).reshape(2, 6, 4))
@@ -91,7 +91,9 @@ def test_exercise_3_2_two_dimensional_output_with_two_heads():
     x = book.example_batch()
     out = mha(x)
     assert out.shape == (2, 6, 2)
-    torch.testing.assert_close(out, torch.cat([mha.heads[0](x), mha.heads[1](x)], dim=-1))
+    torch.testing.assert_close(
+        out, torch.cat([mha.heads[0](x), mha.heads[1](x)], dim=-1), rtol=0, atol=0
+    )
 
 
 def test_exercise_3_3_gpt2_small_parameter_count():
@@ -103,4 +105,5 @@ def test_exercise_3_3_gpt2_small_parameter_count():
     torch_mha = torch.nn.MultiheadAttention(768, 12, bias=False)
     torch_count = sum(p.numel() for p in torch_mha.parameters())
     assert book.count_parameters(mha) == torch_count + 768 == 4 * 768 * 768 + 768
-    torch.testing.assert_close(mha(torch.randn(1, 5, 768)).shape, torch.Size([1, 5, 768]))
+    torch.manual_seed(0)
+    assert mha(torch.randn(1, 5, 768)).shape == (1, 5, 768)

@@ -53,12 +53,14 @@ class MultiHeadSelfAttention(nn.Module):
         """Attention per head, heads concatenated, then @ W_o.
 
         attn_mask: an optional additive float mask broadcastable to (..., L, L), such as the
-        blog's causal M; it is added after the 1/sqrt(kdim) scaling, as PyTorch does.
+        blog's causal M; it is added after the 1/sqrt(kdim) scaling, as PyTorch does. As in
+        the blog and in PyTorch, a row masked entirely with -inf gives NaN.
         """
         X = check_tensor(
             "X", X, ndims=(2, 3), layout="(L, D) or (B, L, D)", last_dim=self._D, last_dim_name="D"
         )
         check_like_module("X", X, self)
+        attn_mask = _check_additive_mask(attn_mask, X, X.shape[-2])
         heads = []
         for h in range(self._heads):
             wq, wk, wv = self.head_weights(h)
@@ -94,6 +96,31 @@ class MultiHeadSelfAttention(nn.Module):
                     param.copy_(value)
             layer._wo.copy_(weights.wo)
         return layer.to(mha.out_proj.weight.dtype)
+
+
+def _check_additive_mask(
+    attn_mask: object, like: torch.Tensor, num_keys: int
+) -> torch.Tensor | None:
+    """An additive float mask broadcastable to (..., L, S), in `like`'s dtype, or None."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor) or not attn_mask.is_floating_point():
+        got = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+        raise TypeError(
+            f"attn_mask must be an additive float mask (0 = attend, -inf = blocked), "
+            f"got {got}; turn a bool mask into one with masked_fill first"
+        )
+    scores_shape = (*like.shape[:-1], num_keys)  # (..., L, S)
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, scores_shape) == scores_shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
+            f"scores' shape {scores_shape}"
+        )
+    return attn_mask.to(like)
 
 
 def _head_attention(
@@ -183,20 +210,35 @@ def torch_attention_by_heads(
     boolean one is True where attending is *not* allowed. Eval-mode semantics (no dropout).
     """
     w = heads_from_torch(mha)
-    query = check_tensor(
-        "query",
-        query,
-        ndims=(3,),
-        layout="(batch, tokens, embed_dim)",
-        last_dim=mha.embed_dim,
-        last_dim_name="embed_dim",
-    )
     key = query if key is None else key
     value = key if value is None else value
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
+    widths = (
+        ("query", query, mha.embed_dim, "embed_dim"),
+        ("key", key, mha.kdim, "kdim"),
+        ("value", value, mha.vdim, "vdim"),
+    )
+    for name, t, width, width_name in widths:
+        check_tensor(
+            name,
+            t,
+            ndims=(3,),
+            layout=f"(batch, tokens, {width_name})",
+            last_dim=width,
+            last_dim_name=f"mha.{width_name}",
+        )
+        check_like_module(name, t, mha)
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            f"query, key, value batch sizes differ: {query.shape[0]}, "
+            f"{key.shape[0]}, {value.shape[0]}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"key has {key.shape[1]} tokens but value has {value.shape[1]}")
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(
             attn_mask, -torch.inf
         )
+    attn_mask = _check_additive_mask(attn_mask, query, key.shape[1])
     heads = []
     for h in range(mha.num_heads):
         q = query @ w.wq[h] + (w.bq[h] if w.bq is not None else 0)  # (b, t, hd)
