@@ -111,6 +111,7 @@ class CausalAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, tokens, d_in) -> (batch, tokens, d_out); a token sees itself and earlier ones."""
         x = check_tensor("x", x, ndims=(3,), layout="(batch, tokens, d_in)", last_dim=self.d_in)
         check_like_module("x", x, self)
         num_tokens = x.shape[1]

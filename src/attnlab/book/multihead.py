@@ -49,6 +49,7 @@ class MultiHeadAttentionWrapper(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, t, d_in) -> (b, t, d_out * num_heads): every head's output, side by side."""
         return torch.cat([head(x) for head in self.heads], dim=-1)  # (b, t, d_out * h)
 
 
@@ -111,6 +112,7 @@ class MultiHeadAttention(nn.Module):
         return scaled_softmax(attn_scores, keys.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, t, d_in) -> (b, t, d_out): causal attention per head, heads merged by out_proj."""
         x = self._check_x(x)
         b, num_tokens, _ = x.shape
         attn_weights = self.dropout(self._causal_weights(x))  # (b, h, t, t)

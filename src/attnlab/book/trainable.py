@@ -43,6 +43,7 @@ class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., tokens, d_in) -> (..., tokens, d_out): softmax(Q K^T / sqrt(d_out)) V."""
         x = _check_x(x, self)
         keys = x @ self.W_key  # (..., tokens, d_out)
         queries = x @ self.W_query
@@ -75,6 +76,7 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
         return scaled_softmax(attn_scores, keys.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., tokens, d_in) -> (..., tokens, d_out), as SelfAttention_v1 with Linear layers."""
         x = _check_x(x, self)
         return self._weights(x) @ self.W_value(x)  # (..., tokens, d_out)
 
