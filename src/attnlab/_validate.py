@@ -92,6 +92,19 @@ def check_like_module(name: str, x: torch.Tensor, module: torch.nn.Module) -> to
     return x
 
 
+def check_broadcasts_to(name: str, mask: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    """Raise unless `mask` broadcasts to exactly `shape` (`what` names that shape's axes)."""
+    try:
+        fits = torch.broadcast_shapes(mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to the scores' {what} = "
+            f"{shape}"
+        )
+
+
 def check_tokens(name: str, num_tokens: int, context_length: int) -> None:
     """Raise if a sequence is longer than the causal mask the module was built for."""
     if num_tokens > context_length:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import masks
-from attnlab._validate import check_dropout, check_tensor
+from attnlab._validate import check_broadcasts_to, check_dropout, check_tensor
 
 BACKENDS = ("auto", "math", "sdpa")
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -128,15 +128,7 @@ def _split_mask(mask, q, k):
             f"got dtype {mask.dtype}"
         )
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    try:
-        fits = torch.broadcast_shapes(mask.shape, scores_shape) == scores_shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' "
-            f"(batch, heads, queries, keys) = {scores_shape}"
-        )
+    check_broadcasts_to("mask", mask, scores_shape, "(batch, heads, queries, keys)")
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
     if mask.dtype == torch.bool:

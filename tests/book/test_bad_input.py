@@ -163,7 +163,11 @@ def test_per_head_input_dtype_must_match():
     [
         (torch.ones(5, 5, dtype=torch.bool), TypeError, "additive float mask"),
         ([[0.0]], TypeError, "additive float mask"),
-        (torch.zeros(3, 3), ValueError, r"does not broadcast to the scores' shape \(2, 5, 5\)"),
+        (
+            torch.zeros(3, 3),
+            ValueError,
+            r"does not broadcast to the scores' shape \(\.\.\., L, S\) = \(2, 5, 5\)",
+        ),
     ],
 )
 def test_per_head_attn_mask(mask, error, message):

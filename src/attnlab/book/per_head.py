@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab._validate import check_int, check_like_module, check_tensor
+from attnlab._validate import (
+    check_broadcasts_to,
+    check_int,
+    check_like_module,
+    check_tensor,
+)
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -111,15 +116,7 @@ def _check_additive_mask(
             f"got {got}; turn a bool mask into one with masked_fill first"
         )
     scores_shape = (*like.shape[:-1], num_keys)  # (..., L, S)
-    try:
-        fits = torch.broadcast_shapes(attn_mask.shape, scores_shape) == scores_shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
-            f"scores' shape {scores_shape}"
-        )
+    check_broadcasts_to("attn_mask", attn_mask, scores_shape, "shape (..., L, S)")
     return attn_mask.to(like)
 
 
