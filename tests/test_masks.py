@@ -81,6 +81,12 @@ def test_torch_mha_agrees_with_converted_masks():
             "do not broadcast",
         ),
         (lambda: masks.to_torch_mask(torch.zeros(3, 3)), TypeError, "must be a bool tensor"),
+        (lambda: masks.to_additive(torch.zeros(3, 3)), TypeError, "must be a bool tensor"),
+        (
+            lambda: masks.from_torch_mask(torch.zeros(3, 3, dtype=torch.long)),
+            TypeError,
+            "bool tensor or an additive float mask",
+        ),
     ],
 )
 def test_bad_input(call, error, message):

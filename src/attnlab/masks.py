@@ -104,30 +104,30 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     return combined
 
 
-def from_torch_mask(mask: torch.Tensor) -> torch.Tensor:
-    """nn.MultiheadAttention's mask to attnlab's: a bool mask is inverted (True = blocked
-    becomes True = may attend); a float additive mask is returned unchanged."""
+def _check_mask(mask: object, *, bool_only: bool) -> torch.Tensor:
+    """A (..., queries, keys) bool mask, or (unless bool_only) an additive float one."""
     mask = check_tensor(
         "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
     )
+    if mask.dtype != torch.bool and (bool_only or not mask.is_floating_point()):
+        kinds = "a bool tensor" if bool_only else "a bool tensor or an additive float mask"
+        raise TypeError(f"mask must be {kinds}, got dtype {mask.dtype}")
+    return mask
+
+
+def from_torch_mask(mask: torch.Tensor) -> torch.Tensor:
+    """nn.MultiheadAttention's mask to attnlab's: a bool mask is inverted (True = blocked
+    becomes True = may attend); a float additive mask is returned unchanged."""
+    mask = _check_mask(mask, bool_only=False)
     return ~mask if mask.dtype == torch.bool else mask
 
 
 def to_torch_mask(mask: torch.Tensor) -> torch.Tensor:
     """attnlab's bool mask to nn.MultiheadAttention's polarity (True = blocked)."""
-    mask = check_tensor(
-        "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
-    )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor to invert, got dtype {mask.dtype}")
-    return ~mask
+    return ~_check_mask(mask, bool_only=True)
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A bool mask as an additive float mask: 0 where attending is allowed, -inf elsewhere."""
-    mask = check_tensor(
-        "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
-    )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    mask = _check_mask(mask, bool_only=True)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -torch.inf)
