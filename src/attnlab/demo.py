@@ -185,6 +185,8 @@ def _causal() -> list[Step]:
     d_k = sa_v2.d_out
     weights = book.scaled_softmax(scores, d_k)
     causal = book.causal_weights_neg_inf(scores, d_k)
+    mask_simple = book.causal_keep_mask(6)
+    renormalised = book.causal_weights_renormalised(scores, d_k)
     torch.manual_seed(123)
     dropout = torch.nn.Dropout(0.5)
     ones_dropped = dropout(torch.ones(6, 6))
@@ -200,9 +202,9 @@ def _causal() -> list[Step]:
             "sa_v2's weights times a lower-triangular mask, each row divided by its sum.",
             {
                 "attn_weights": weights,
-                "mask_simple": book.causal_keep_mask(6),
-                "masked_simple": weights * book.causal_keep_mask(6),
-                "masked_simple_norm": book.causal_weights_renormalised(scores, d_k),
+                "mask_simple": mask_simple,
+                "masked_simple": weights * mask_simple,
+                "masked_simple_norm": renormalised,
             },
         ),
         Step(
@@ -218,9 +220,7 @@ def _causal() -> list[Step]:
             "Add M (0 on and below the diagonal, -inf above) to the scores: the same again.",
             {
                 "M": book.additive_causal_mask(6),
-                "max |way 1 - way 2|": (book.causal_weights_renormalised(scores, d_k) - causal)
-                .abs()
-                .max(),
+                "max |way 1 - way 2|": (renormalised - causal).abs().max(),
                 "max |way 3 - way 2|": (book.causal_weights_additive(scores, d_k) - causal)
                 .abs()
                 .max(),
@@ -245,7 +245,7 @@ def _causal() -> list[Step]:
 def _multi_head() -> list[Step]:
     batch = book.example_batch()
     torch.manual_seed(123)
-    wrapper = book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
+    wrapper_out = book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)(batch)
     a = torch.tensor(
         [
             [
@@ -264,6 +264,7 @@ def _multi_head() -> list[Step]:
     )  # (b, h, t, hd) = (1, 2, 3, 4)
     torch.manual_seed(123)
     mha = book.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
+    mha_out = mha(batch)
     head_weights = mha.attention_weights(batch)[0]  # (h, t, t) of the first text
     gpt2 = book.gpt2_small_attention()
     return [
@@ -271,7 +272,7 @@ def _multi_head() -> list[Step]:
             "3.6.1",
             "MultiHeadAttentionWrapper (seed 123, two heads)",
             "Two CausalAttention heads run one after the other, outputs concatenated.",
-            {"context_vecs": wrapper(batch), "shape": wrapper(batch).shape},
+            {"context_vecs": wrapper_out, "shape": wrapper_out.shape},
         ),
         Step(
             "3.6.1",
@@ -293,7 +294,7 @@ def _multi_head() -> list[Step]:
             "3.6.2",
             "MultiHeadAttention with weight splits (seed 123)",
             "One projection per Q/K/V, split into heads by view + transpose, then out_proj.",
-            {"context_vecs": mha(batch), "shape": mha(batch).shape},
+            {"context_vecs": mha_out, "shape": mha_out.shape},
             tuple(
                 Heatmap(
                     f"05_multihead_head{h + 1}.png",
