@@ -1,8 +1,6 @@
 """attnlab.functional.attention: both backends equal an explicit per-head reference, the
 book's classes and PyTorch's SDPA; empty rows are zero with finite gradients."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,23 +9,7 @@ from hypothesis import strategies as st
 
 from attnlab import book, masks
 from attnlab.functional import attention
-
-
-def reference(q, k, v, allowed=None, scale=None):
-    """One head at a time, kv head h // groups, plain softmax; empty rows set to zero."""
-    b, hq, tq, hd = q.shape
-    groups = hq // k.shape[1]
-    scale = 1 / math.sqrt(hd) if scale is None else scale
-    out = torch.zeros(b, hq, tq, v.shape[-1], dtype=torch.float64)
-    for i in range(b):
-        for h in range(hq):
-            s = q[i, h].double() @ k[i, h // groups].double().T * scale
-            if allowed is not None:
-                ok = allowed.expand(b, hq, tq, k.shape[2])[i, h]
-                s = s.masked_fill(~ok, -math.inf)
-            w = torch.softmax(s, dim=-1).nan_to_num(0.0)
-            out[i, h] = w @ v[i, h // groups].double()
-    return out.to(q.dtype)
+from tests.reference import reference
 
 
 @st.composite

@@ -1,14 +1,18 @@
 """attnlab: attention mechanisms for PyTorch, from the first dot product to production speed.
 
 `attnlab.book` holds the chapter's classes, faithful to the seed documents; they are the
-reference oracles the rest of the package is checked against.
+reference oracles the rest of the package is checked against. `MultiHeadAttention` is the
+production module, `attnlab.functional.attention` the kernel under it, `attnlab.masks` the
+masks both take, and `attnlab.interop` the conversions to and from PyTorch's and the book's.
 """
 
 from importlib.metadata import PackageNotFoundError, version
+
+from attnlab.attention import MultiHeadAttention
 
 try:
     __version__ = version("attnlab")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+__all__ = ["MultiHeadAttention", "__version__"]

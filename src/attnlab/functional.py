@@ -166,9 +166,15 @@ def _check_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
-def _choose_backend(backend: object, need_weights: bool) -> str:
-    if backend not in BACKENDS:
+def check_backend(backend: object) -> str:
+    """Return `backend` if it names one of BACKENDS."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _choose_backend(backend: object, need_weights: bool) -> str:
+    backend = check_backend(backend)
     if need_weights and backend == "sdpa":
         raise ValueError(
             "need_weights=True needs backend 'math' or 'auto': the 'sdpa' backend "
