@@ -318,3 +318,19 @@ def test_book_state_dict_into_grouped_query_heads_is_refused():
     state = book.MultiHeadAttention(4, 8, 6, 0.0, 4).state_dict()
     with pytest.raises(ValueError, match=r"num_kv_heads \(2\) != num_heads \(4\)"):
         module(num_kv_heads=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs_give_empty_or_zero_outputs(backend):
+    torch.manual_seed(14)
+    m = MultiHeadAttention(4, 8, 8, 0.0, 2, backend=backend)
+    assert m(torch.randn(2, 0, 4)).shape == (2, 0, 8)
+    assert m(torch.randn(0, 3, 4)).shape == (0, 3, 8)
+    no_keys = m(torch.randn(2, 3, 4), torch.randn(2, 0, 4))  # nothing to attend to: zeros
+    torch.testing.assert_close(no_keys, m.out_proj.bias.expand(2, 3, 8), rtol=0, atol=0)
+
+
+def test_three_dimensional_mask_is_refused_as_ambiguous():
+    m, x = module(), torch.randn(4, 5, 4)
+    with pytest.raises(ValueError, match=r"mask of shape \(4, 5, 5\) is 3-D"):
+        m(x, mask=torch.ones(4, 5, 5, dtype=torch.bool))

@@ -64,7 +64,7 @@ def test_torch_mha_agrees_with_converted_masks():
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: masks.causal_mask(0), ValueError, "num_queries must be >= 1, got 0"),
+        (lambda: masks.causal_mask(-1), ValueError, "num_queries must be >= 0, got -1"),
         (lambda: masks.causal_mask(3, offset=-1), ValueError, "offset must be >= 0"),
         (lambda: masks.sliding_window_mask(3, window=0), ValueError, "window must be >= 1"),
         (

@@ -127,6 +127,12 @@ def _split_mask(mask, q, k):
             f"mask must be bool (True = may attend) or an additive float mask, "
             f"got dtype {mask.dtype}"
         )
+    if mask.dim() == 3:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} is 3-D, which could mean (batch, queries, keys) "
+            f"or (heads, queries, keys): give (queries, keys) or 4-D (batch, heads, queries, "
+            f"keys) with 1 for a dimension it does not vary over"
+        )
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     check_broadcasts_to("mask", mask, scores_shape, "(batch, heads, queries, keys)")
     if mask.device != q.device:

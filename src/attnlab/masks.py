@@ -18,8 +18,8 @@ def _positions(
     num_queries: int, num_keys: int | None, offset: int | None, device: torch.device | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of the queries (column) and keys (row)."""
-    num_queries = check_int("num_queries", num_queries)
-    num_keys = num_queries if num_keys is None else check_int("num_keys", num_keys)
+    num_queries = check_int("num_queries", num_queries, minimum=0)
+    num_keys = num_queries if num_keys is None else check_int("num_keys", num_keys, minimum=0)
     offset = num_keys - num_queries if offset is None else check_int("offset", offset, minimum=0)
     query_pos = torch.arange(num_queries, device=device).unsqueeze(1) + offset  # (q, 1)
     key_pos = torch.arange(num_keys, device=device).unsqueeze(0)  # (1, k)
