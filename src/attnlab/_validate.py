@@ -105,6 +105,18 @@ def check_broadcasts_to(name: str, mask: torch.Tensor, shape: tuple[int, ...], w
         )
 
 
+def check_mask_kind(name: str, mask: object) -> torch.Tensor:
+    """Return `mask` if it is a bool tensor (True = may attend) or an additive float one."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool or float tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or an additive float mask, "
+            f"got dtype {mask.dtype}"
+        )
+    return mask
+
+
 def check_tokens(name: str, num_tokens: int, context_length: int) -> None:
     """Raise if a sequence is longer than the causal mask the module was built for."""
     if num_tokens > context_length:

@@ -1,6 +1,7 @@
 """MultiHeadAttention: the production layer. The book's constructor and outputs, one fused
 query/key/value projection, attention through attnlab.functional (SDPA's fused kernels by
-default), masks in attnlab's polarity, grouped-query heads and cross-attention.
+default), masks in attnlab's polarity, grouped-query heads, cross-attention, a KV cache for
+token-by-token decoding, rotary positions and sliding windows.
 
 Shapes: x is (b, tq, d_in); context is (b, tk, context_dim); inside, queries are
 (b, h, tq, hd) and keys/values (b, hkv, tk, hd) with h = num_heads, hkv = num_kv_heads and
@@ -12,16 +13,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab import functional
+from attnlab import functional, masks
 from attnlab._validate import (
     check_bool,
+    check_broadcasts_to,
     check_divides,
     check_dropout,
     check_int,
     check_like_module,
+    check_mask_kind,
     check_tensor,
-    check_tokens,
 )
+from attnlab.kv_cache import KVCache
+from attnlab.rope import RotaryEmbedding, check_base
 
 _BOOK_PROJECTIONS = ("W_query", "W_key", "W_value")
 
@@ -34,8 +38,10 @@ class MultiHeadAttention(nn.Module):
     (grouped-query; 1 is multi-query). causal masks each query's future in self-attention.
     context_dim (default d_in) is the width of the `context` that cross-attention reads its
     keys and values from; a module whose context_dim differs from d_in is cross-attention
-    only. backend picks attnlab.functional's kernel ("auto", "math" or "sdpa"). device and
-    dtype place the parameters, as for torch's own modules.
+    only. rope rotates queries and keys by their absolute positions (RotaryEmbedding, base
+    rope_base; self-attention only). window limits each query to the `window` most recent
+    keys, itself included (causal only). backend picks attnlab.functional's kernel ("auto",
+    "math" or "sdpa"). device and dtype place the parameters, as for torch's own modules.
 
     Parameters: when the keys and values are computed from inputs of width d_in, one fused
     `qkv_proj` (d_in -> d_out + 2 * kv_dim, rows in query, key, value order); otherwise
@@ -54,6 +60,9 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         causal: bool = True,
         context_dim: int | None = None,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        window: int | None = None,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -72,7 +81,20 @@ class MultiHeadAttention(nn.Module):
         self.qkv_bias = check_bool("qkv_bias", qkv_bias)
         self.causal = check_bool("causal", causal)
         self.context_dim = d_in if context_dim is None else check_int("context_dim", context_dim)
+        self.window = None if window is None else check_int("window", window)
+        if window is not None and not causal:
+            raise ValueError(f"window ({window}) needs causal=True: it keeps the most recent keys")
         self.backend = functional.check_backend(backend)
+        self.rope = None
+        if check_bool("rope", rope):
+            if self.head_dim % 2 != 0:
+                raise ValueError(
+                    f"rope=True needs an even head_dim (d_out / num_heads = {d_out} / "
+                    f"{num_heads} = {self.head_dim})"
+                )
+            self.rope = RotaryEmbedding(
+                self.head_dim, context_length, check_base(rope_base), device=device
+            )
         if self.fused:
             self.qkv_proj = nn.Linear(d_in, d_out + 2 * self.kv_dim, bias=qkv_bias, **factory)
         else:
@@ -102,7 +124,28 @@ class MultiHeadAttention(nn.Module):
             f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}, "
             f"dropout={self.dropout}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, "
-            f"context_dim={self.context_dim}, backend={self.backend!r}"
+            f"context_dim={self.context_dim}, window={self.window}, backend={self.backend!r}"
+        )
+
+    def make_cache(
+        self,
+        batch_size: int,
+        max_tokens: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A KVCache for this module's key/value heads (max_tokens defaults to context_length;
+        dtype and device to the parameters'); rolling, of `window` tokens, when windowed."""
+        weight = self.out_proj.weight
+        return KVCache(
+            batch_size,
+            self.context_length if max_tokens is None else max_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+            window=self.window,
         )
 
     def forward(
@@ -112,25 +155,34 @@ class MultiHeadAttention(nn.Module):
         *,
         mask: torch.Tensor | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(b, tq, d_in) -> (b, tq, d_out); with need_weights, also each head's attention
         weights (b, h, tq, tk), computed only then.
 
         context (b, tk, context_dim): cross-attention, keys and values from it, never causal
-        (its tokens have no order relative to x's). mask: bool, True where a query may attend
-        (attnlab.masks), or additive float, broadcastable to (b, h, tq, tk); combined with
-        the causal mask. A query with no key left gets zeros.
+        (its tokens have no order relative to x's). cache (from make_cache): x holds the next
+        tokens of the sequences, whose keys and values are appended; they attend causally to
+        every token held. mask: bool, True where a query may attend (attnlab.masks), or
+        additive float, broadcastable to (b, h, tq, tk); with a cache its keys axis covers
+        every position so far (cache.position + tq). A query with no key left gets zeros.
         """
         x = self._check_input("x", x, self.d_in, batch=None)
-        check_tokens("x", x.shape[1], self.context_length)
         check_bool("need_weights", need_weights)
+        start = self._start_position(x, context, cache)
         q, k, v = self._project(x, context)
+        if self.rope is not None and context is None:
+            q, k = self.rope(q, start), self.rope(k, start)  # (b, h|hkv, tq, hd)
+        key_positions = None
+        if cache is not None:
+            k, v, key_positions = cache.update(k, v)  # (b, hkv, tk, hd): every token held
+        mask, causal = self._attention_mask(mask, q, k, start, key_positions, context is None)
         result = functional.attention(
             q,
             k,
             v,
             mask=mask,
-            causal=self.causal and context is None,
+            causal=causal,
             dropout_p=self.dropout,
             training=self.training,
             need_weights=need_weights,
@@ -141,6 +193,69 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, tq, self.d_out)  # (b, h, tq, hd) -> (b, tq, d_out)
         out = self.out_proj(out)
         return (out, weights) if need_weights else out
+
+    def _start_position(
+        self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache | None
+    ) -> int:
+        """Absolute position of x's first token, after checking that the cache fits."""
+        start = 0
+        if cache is not None:
+            self._check_cache(cache, x, context)
+            start = cache.position
+        if start + x.shape[1] > self.context_length:
+            where = f" at positions {start}..{start + x.shape[1] - 1}" if cache else ""
+            raise ValueError(
+                f"x has {x.shape[1]} tokens{where}, more than context_length "
+                f"({self.context_length})"
+            )
+        return start
+
+    def _check_cache(self, cache: object, x: torch.Tensor, context: torch.Tensor | None) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (make_cache), got {type(cache).__name__}")
+        if context is not None or not self.causal:
+            raise ValueError("a cache is for causal self-attention: no context, causal=True")
+        made_for = (cache.num_kv_heads, cache.head_dim)
+        if made_for != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"the cache was made for num_kv_heads={made_for[0]}, head_dim={made_for[1]}; "
+                f"this module has num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            )
+        if cache.batch_size != x.shape[0]:
+            raise ValueError(
+                f"x has batch size {x.shape[0]} but the cache holds {cache.batch_size} sequences"
+            )
+        if cache.window is not None and (self.window is None or cache.window < self.window):
+            raise ValueError(
+                f"the cache keeps a window of {cache.window} tokens but this module attends "
+                f"to {'every token' if self.window is None else self.window}"
+            )
+        cache.check_room(x.shape[1])
+
+    def _attention_mask(
+        self,
+        mask: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        start: int,
+        key_positions: torch.Tensor | None,
+        self_attention: bool,
+    ) -> tuple[torch.Tensor | None, bool]:
+        """The user's mask with the positional one (causal, window) merged in, and whether
+        functional.attention should still apply its own causal mask (bottom-right aligned:
+        right when the keys are positions 0 .. tk - 1 in order)."""
+        if not self_attention:
+            return mask, False
+        tq, tk = q.shape[2], k.shape[2]
+        if key_positions is not None:  # a rolling cache: keys out of order
+            mask = _keys_at(mask, key_positions, (q.shape[0], q.shape[1], tq, start + tq))
+            query_positions = torch.arange(start, start + tq, device=q.device)
+            allowed = masks.position_mask(query_positions, key_positions, window=self.window)
+            return masks.merge_masks(mask, allowed), False
+        if self.window is not None:
+            window = masks.sliding_window_mask(tq, tk, window=self.window, device=q.device)
+            return masks.merge_masks(mask, window), False
+        return mask, self.causal
 
     def _project(
         self, x: torch.Tensor, context: torch.Tensor | None
@@ -191,6 +306,17 @@ class MultiHeadAttention(nn.Module):
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"{name} has batch size {x.shape[0]} but x has {batch}")
         return x
+
+
+def _keys_at(
+    mask: torch.Tensor | None, key_positions: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The columns of a mask over every position so far (shape) for the keys held."""
+    if mask is None:
+        return None
+    check_mask_kind("mask", mask)
+    check_broadcasts_to("mask", mask, shape, "(batch, heads, queries, positions so far)")
+    return mask if mask.shape[-1] == 1 else mask.index_select(-1, key_positions)
 
 
 def _book_state_dict_hook(module, state_dict, prefix, *_args) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import masks
-from attnlab._validate import check_broadcasts_to, check_dropout, check_tensor
+from attnlab._validate import check_broadcasts_to, check_dropout, check_mask_kind, check_tensor
 
 BACKENDS = ("auto", "math", "sdpa")
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -54,7 +54,9 @@ def attention(
     allowed, bias = _split_mask(mask, q, k)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
     sdpa_is_causal = backend == "sdpa" and causal and mask is None and q.shape[2] == k.shape[2]
-    if causal and not sdpa_is_causal:
+    # one query that is the newest token sees every key: nothing to mask
+    single_newest_query = q.shape[2] == 1 and k.shape[2] >= 1
+    if causal and not sdpa_is_causal and not single_newest_query:
         # bottom-right aligned; with tq > tk the first queries precede every key
         causal_allowed = masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
         allowed = masks.combine_masks(allowed, causal_allowed)
@@ -120,13 +122,7 @@ def _split_mask(mask, q, k):
     """(allowed bool or None, additive float bias with no -inf, or None) from the user mask."""
     if mask is None:
         return None, None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a bool or float tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"mask must be bool (True = may attend) or an additive float mask, "
-            f"got dtype {mask.dtype}"
-        )
+    check_mask_kind("mask", mask)
     if mask.dim() == 3:
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} is 3-D, which could mean (batch, queries, keys) "

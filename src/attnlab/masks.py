@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab._validate import check_int, check_tensor
+from attnlab._validate import check_int, check_mask_kind, check_tensor
 
 
 def _positions(
@@ -55,6 +55,19 @@ def sliding_window_mask(
     window = check_int("window", window)
     query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def position_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, *, window: int | None = None
+) -> torch.Tensor:
+    """(queries, keys) bool from absolute positions (1-D integer tensors, keys in any order):
+    causal, and with `window` each query sees at most the `window` most recent keys."""
+    query_pos = query_positions.unsqueeze(1)  # (q, 1)
+    key_pos = key_positions.unsqueeze(0)  # (1, k)
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed = allowed & (key_pos > query_pos - check_int("window", window))
+    return allowed
 
 
 def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -102,6 +115,17 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     for m in present:
         combined = combined & m
     return combined
+
+
+def merge_masks(mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """A user mask (bool, additive float, or None) restricted to where `allowed` (bool) is
+    True; a float mask stays additive, with -inf where `allowed` is False."""
+    if mask is None:
+        return allowed
+    check_mask_kind("mask", mask)
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return torch.where(allowed, mask, torch.tensor(-torch.inf, dtype=mask.dtype))
 
 
 def _check_mask(mask: object, *, bool_only: bool) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""KVCache: the keys and values of the tokens seen so far, so that each new token attends to
+them without recomputing the prefix.
+
+Buffers are allocated once, (b, hkv, capacity, hd) each, and written in place; only the
+key/value heads are stored, so grouped-query attention shrinks the cache by num_heads /
+num_kv_heads. With a window, the buffer holds the `window` most recent tokens and rolls:
+token p lives in slot p % window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab._validate import check_int
+
+
+class KVCache:
+    """Preallocated key/value buffers for `batch_size` sequences of up to `max_tokens`
+    tokens, or, with `window`, a rolling buffer of the `window` most recent tokens."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+    ) -> None:
+        self.batch_size = check_int("batch_size", batch_size)
+        self.max_tokens = check_int("max_tokens", max_tokens)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_int("head_dim", head_dim)
+        self.window = None if window is None else check_int("window", window)
+        self.capacity = max_tokens if window is None else min(window, max_tokens)
+        shape = (batch_size, num_kv_heads, self.capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (b, hkv, capacity, hd)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.position = 0  # tokens written since the last reset: the next token's position
+
+    @property
+    def rolling(self) -> bool:
+        """True when old tokens are overwritten: a window no larger than max_tokens."""
+        return self.window is not None and self.capacity == self.window
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the buffers hold now."""
+        return min(self.position, self.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers: 2 x b x hkv x capacity x hd x itemsize."""
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(batch_size={self.batch_size}, max_tokens={self.max_tokens}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"window={self.window}, position={self.position}, dtype={self.dtype})"
+        )
+
+    def reset(self) -> None:
+        """Forget every token (the buffers are kept, not reallocated)."""
+        self.position = 0
+
+    def check_room(self, num_new: int) -> None:
+        """Raise unless `num_new` more tokens fit (a rolling cache always has room)."""
+        if not self.rolling and self.position + num_new > self.capacity:
+            raise ValueError(
+                f"the cache holds {self.position} of at most max_tokens ({self.max_tokens}) "
+                f"tokens and cannot take {num_new} more; reset() it or make a larger one"
+            )
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Append k and v (b, hkv, n, hd), the next n tokens. Returns the keys and values
+        those tokens attend to (b, hkv, tk, hd) and the absolute position of each key
+        (tk,), or None when they are positions 0 .. tk - 1 in order."""
+        self._check_new(k, v)
+        n = k.shape[2]
+        self.check_room(n)
+        start = self.position
+        if not self.rolling:
+            self.keys[:, :, start : start + n] = k
+            self.values[:, :, start : start + n] = v
+            self.position = start + n
+            return self.keys[:, :, : start + n], self.values[:, :, : start + n], None
+        if n == 1:  # the window's slots then hold exactly the keys this token may see
+            self._write_rolling(k, v, start)
+            held = self.num_tokens
+            return self.keys[:, :, :held], self.values[:, :, :held], self.slot_positions()
+        # A chunk's first tokens need keys its last tokens will overwrite: attend to a copy.
+        held = self.num_tokens
+        keys = torch.cat([self.keys[:, :, :held], k], dim=2)  # (b, hkv, held + n, hd)
+        values = torch.cat([self.values[:, :, :held], v], dim=2)
+        new_positions = torch.arange(start, start + n, device=self.device)
+        positions = torch.cat([self.slot_positions(), new_positions])
+        self._write_rolling(k, v, start)
+        return keys, values, positions
+
+    def slot_positions(self) -> torch.Tensor:
+        """The absolute position of the token in each held slot, (num_tokens,)."""
+        slots = torch.arange(self.num_tokens, device=self.device)
+        last = self.position - 1
+        return last - torch.remainder(last - slots, self.capacity)
+
+    def _write_rolling(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        keep = min(k.shape[2], self.capacity)  # older tokens of the chunk would be overwritten
+        end = start + k.shape[2]
+        slots = torch.arange(end - keep, end, device=self.device) % self.capacity
+        self.keys.index_copy_(2, slots, k[:, :, -keep:])
+        self.values.index_copy_(2, slots, v[:, :, -keep:])
+        self.position = end
+
+    def _check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        expected = (self.batch_size, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            got = (t.shape[0], t.shape[1], t.shape[3]) if t.dim() == 4 else None
+            if got != expected:
+                raise ValueError(
+                    f"{name} of shape {tuple(t.shape)} does not fit the cache made for "
+                    f"(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                    f"tokens, head_dim={self.head_dim})"
+                )
+            if t.dtype != self.dtype or t.device != self.device:
+                raise TypeError(
+                    f"{name} is {t.dtype} on {t.device} but the cache is {self.dtype} on "
+                    f"{self.device}"
+                )
