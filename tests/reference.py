@@ -23,9 +23,28 @@ def reference(q, k, v, allowed=None, scale=None):
     return out.to(q.dtype)
 
 
-def module_reference(m, x, context=None, allowed=None):
+def rope_reference(x, positions, base=10000.0):
+    """Rotary embedding as complex numbers: features (i, i + hd/2) form z_i, multiplied by
+    exp(1j * position * base^(-2i/hd)). x is (..., t, hd); positions (t,)."""
+    half = x.shape[-1] // 2
+    z = torch.complex(x[..., :half].double(), x[..., half:].double())
+    theta = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+    angles = positions.double()[:, None] * theta  # (t, hd/2)
+    z = z * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def window_allowed(num_tokens, window=None):
+    """(t, t) bool: query i may see key j when j <= i and, with a window, i - j < window."""
+    i = torch.arange(num_tokens)[:, None]
+    j = torch.arange(num_tokens)[None, :]
+    return (j <= i) & ((i - j < window) if window is not None else True)
+
+
+def module_reference(m, x, context=None, allowed=None, rope_base=None):
     """attnlab.MultiHeadAttention `m` recomputed from its documented parameter layout (fused
-    qkv_proj rows: queries, keys, values; or q_proj and kv_proj), without dropout."""
+    qkv_proj rows: queries, keys, values; or q_proj and kv_proj), without dropout; with
+    rope_base, queries and keys rotated at positions 0 .. t - 1."""
     d_out, kv_dim, hd = m.d_out, m.num_kv_heads * (m.d_out // m.num_heads), m.d_out // m.num_heads
     if hasattr(m, "qkv_proj"):
         w, bias = m.qkv_proj.weight.double(), m.qkv_proj.bias
@@ -43,6 +62,11 @@ def module_reference(m, x, context=None, allowed=None):
     q = q.view(b, tq, m.num_heads, hd).transpose(1, 2)  # (b, h, tq, hd)
     k = k.reshape(b, tk, m.num_kv_heads, hd).transpose(1, 2)  # (b, hkv, tk, hd)
     v = v.reshape(b, tk, m.num_kv_heads, hd).transpose(1, 2)  # (b, hkv, tk, hd)
+    if rope_base is not None:
+        q, k = (
+            rope_reference(q, torch.arange(tq), rope_base),
+            rope_reference(k, torch.arange(tk), rope_base),
+        )
     out = reference(q, k, v, allowed)  # (b, h, tq, hd)
     out = out.transpose(1, 2).reshape(b, tq, d_out)  # (b, tq, d_out)
     return torch.nn.functional.linear(out, m.out_proj.weight.double(), m.out_proj.bias.double())

@@ -9,10 +9,11 @@ masks both take, and `attnlab.interop` the conversions to and from PyTorch's and
 from importlib.metadata import PackageNotFoundError, version
 
 from attnlab.attention import MultiHeadAttention
+from attnlab.kv_cache import KVCache
 
 try:
     __version__ = version("attnlab")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["MultiHeadAttention", "__version__"]
+__all__ = ["KVCache", "MultiHeadAttention", "__version__"]

@@ -28,6 +28,7 @@ from attnlab.kv_cache import KVCache
 from attnlab.rope import RotaryEmbedding, check_base
 
 _BOOK_PROJECTIONS = ("W_query", "W_key", "W_value")
+_CACHED_MASK = "(batch, heads, queries, positions so far)"
 
 
 class MultiHeadAttention(nn.Module):
@@ -170,6 +171,9 @@ class MultiHeadAttention(nn.Module):
         x = self._check_input("x", x, self.d_in, batch=None)
         check_bool("need_weights", need_weights)
         start = self._start_position(x, context, cache)
+        if cache is not None and mask is not None:  # before the cache changes
+            shape = (x.shape[0], self.num_heads, x.shape[1], start + x.shape[1])
+            check_broadcasts_to("mask", check_mask_kind("mask", mask), shape, _CACHED_MASK)
         q, k, v = self._project(x, context)
         if self.rope is not None and context is None:
             q, k = self.rope(q, start), self.rope(k, start)  # (b, h|hkv, tq, hd)
@@ -315,7 +319,7 @@ def _keys_at(
     if mask is None:
         return None
     check_mask_kind("mask", mask)
-    check_broadcasts_to("mask", mask, shape, "(batch, heads, queries, positions so far)")
+    check_broadcasts_to("mask", mask, shape, _CACHED_MASK)
     return mask if mask.shape[-1] == 1 else mask.index_select(-1, key_positions)
 
 

@@ -1,0 +1,232 @@
+"""KVCache and cached decoding: token by token or in chunks of any size, the outputs equal one
+full causal forward, which itself equals the float64 reference; with rope, windows,
+grouped-query heads, padding and batch > 1. The cache is preallocated and sized by the
+key/value heads (and the window)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnlab import KVCache, MultiHeadAttention, masks
+from tests.reference import module_reference, window_allowed
+
+seeds = st.integers(0, 2**31 - 1)
+
+
+@st.composite
+def decoding_configs(draw):
+    num_kv_heads = draw(st.integers(1, 3))
+    num_heads = num_kv_heads * draw(st.integers(1, 3))
+    tokens = draw(st.integers(1, 12))
+    chunks = draw(st.lists(st.integers(1, 5), min_size=1, max_size=12))
+    return dict(
+        seed=draw(seeds),
+        b=draw(st.integers(1, 3)),
+        tokens=tokens,
+        chunks=chunks,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=2 * draw(st.integers(1, 3)),
+        rope=draw(st.booleans()),
+        window=draw(st.one_of(st.none(), st.integers(1, 5))),
+        pad=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        backend=draw(st.sampled_from(["math", "sdpa"])),
+    )
+
+
+def build(c):
+    torch.manual_seed(c["seed"])
+    m = MultiHeadAttention(
+        5,
+        c["num_heads"] * c["head_dim"],
+        16,
+        0.0,
+        c["num_heads"],
+        qkv_bias=c["bias"],
+        num_kv_heads=c["num_kv_heads"],
+        rope=c["rope"],
+        window=c["window"],
+        backend=c["backend"],
+    )
+    x = torch.randn(c["b"], c["tokens"], 5)
+    mask = None
+    if c["pad"]:  # left padding, as batched generation has it
+        lengths = torch.randint(0, c["tokens"] + 1, (c["b"],))
+        keep = torch.arange(c["tokens"]) >= (c["tokens"] - lengths)[:, None]  # (b, t)
+        mask = masks.padding_mask(keep)  # (b, 1, 1, t)
+    return m, x, mask
+
+
+def decode(m, x, mask, chunks):
+    """Feed x through a cache in chunks of the given sizes (the last one repeated)."""
+    cache = m.make_cache(x.shape[0])
+    outputs, start, i = [], 0, 0
+    while start < x.shape[1]:
+        end = min(start + chunks[min(i, len(chunks) - 1)], x.shape[1])
+        step_mask = None if mask is None else mask[..., :end]  # keys: every position so far
+        outputs.append(m(x[:, start:end], mask=step_mask, cache=cache))
+        start, i = end, i + 1
+    assert cache.position == x.shape[1]
+    return torch.cat(outputs, dim=1)  # (b, t, d_out)
+
+
+@given(decoding_configs())
+def test_cached_decoding_equals_the_full_forward_and_the_reference(c):
+    m, x, mask = build(c)
+    with torch.no_grad():
+        full = m(x, mask=mask)
+        allowed = masks.combine_masks(mask, window_allowed(c["tokens"], c["window"]))
+        expected = module_reference(m, x, allowed=allowed, rope_base=1e4 if c["rope"] else None)
+        torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode(m, x, mask, c["chunks"]), full, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode(m, x, mask, [1]), full, rtol=1e-5, atol=1e-5)
+
+
+def test_additive_float_mask_with_a_rolling_cache():
+    torch.manual_seed(1)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, window=3, rope=True)
+    x = torch.randn(2, 9, 4)
+    bias = torch.randn(2, 1, 9, 9)  # an additive bias per (query, key position)
+    with torch.no_grad():
+        full = m(x, mask=bias)
+        cache, outputs = m.make_cache(2), []
+        for s in range(0, 9, 2):
+            e = min(s + 2, 9)
+            outputs.append(m(x[:, s:e], mask=bias[:, :, s:e, :e], cache=cache))
+        torch.testing.assert_close(torch.cat(outputs, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(12, 12), (12, 4), (12, 1)])
+def test_memory_is_kv_heads_times_head_dim_times_tokens(num_heads, num_kv_heads):
+    m = MultiHeadAttention(768, 768, 1024, 0.0, num_heads, num_kv_heads=num_kv_heads)
+    cache = m.make_cache(2, 100)
+    assert cache.nbytes == 2 * 2 * num_kv_heads * 64 * 100 * 4  # keys and values, fp32
+    windowed = MultiHeadAttention(
+        768, 768, 1024, 0.0, num_heads, num_kv_heads=num_kv_heads, window=16
+    )
+    assert windowed.make_cache(2, 100).nbytes == 2 * 2 * num_kv_heads * 64 * 16 * 4
+
+
+def test_buffers_are_preallocated_and_written_in_place():
+    torch.manual_seed(2)
+    m = MultiHeadAttention(4, 8, 32, 0.0, 2, num_kv_heads=1)
+    cache = m.make_cache(1)
+    pointers = (cache.keys.data_ptr(), cache.values.data_ptr())
+    with torch.no_grad():
+        for t in range(10):
+            m(torch.randn(1, 1, 4), cache=cache)
+            assert cache.num_tokens == t + 1
+    assert (cache.keys.data_ptr(), cache.values.data_ptr()) == pointers
+    assert cache.keys.shape == (1, 1, 32, 4)
+
+
+def test_rolling_buffer_holds_the_window_and_knows_its_positions():
+    cache = KVCache(1, 100, 1, 2, window=4)
+    for p in range(7):
+        cache.update(torch.full((1, 1, 1, 2), float(p)), torch.zeros(1, 1, 1, 2))
+    assert cache.position == 7 and cache.num_tokens == 4
+    slots = cache.keys[0, 0, :, 0]
+    torch.testing.assert_close(slots, torch.tensor([4.0, 5.0, 6.0, 3.0]))  # token p in p % 4
+    torch.testing.assert_close(cache.slot_positions(), torch.tensor([4, 5, 6, 3]))
+
+
+def test_reset_starts_a_new_sequence():
+    torch.manual_seed(3)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, rope=True).eval()
+    x = torch.randn(1, 5, 4)
+    cache = m.make_cache(1)
+    with torch.no_grad():
+        first = m(x, cache=cache)
+        cache.reset()
+        assert cache.position == 0 and cache.num_tokens == 0
+        torch.testing.assert_close(m(x, cache=cache), first, rtol=0, atol=0)
+
+
+def test_windowed_cache_decodes_past_max_tokens_but_not_past_context_length():
+    torch.manual_seed(4)
+    m = MultiHeadAttention(4, 8, 12, 0.0, 2, window=3)
+    cache = m.make_cache(1, max_tokens=3)
+    with torch.no_grad():
+        for _ in range(12):
+            m(torch.randn(1, 1, 4), cache=cache)
+        with pytest.raises(ValueError, match=r"at positions 12\.\.12, more than context_length"):
+            m(torch.randn(1, 1, 4), cache=cache)
+
+
+@pytest.mark.parametrize(
+    ("cache", "error", "message"),
+    [
+        (
+            KVCache(2, 4, 2, 4),
+            ValueError,
+            r"holds 0 of at most max_tokens \(4\) tokens and cannot take 5",
+        ),
+        (KVCache(3, 16, 2, 4), ValueError, "x has batch size 2 but the cache holds 3 sequences"),
+        (
+            KVCache(2, 16, 1, 4),
+            ValueError,
+            "made for num_kv_heads=1, head_dim=4; this module has num_kv_heads=2, head_dim=4",
+        ),
+        (KVCache(2, 16, 2, 8), ValueError, "made for num_kv_heads=2, head_dim=8"),
+        (KVCache(2, 16, 2, 4, window=2), ValueError, "window of 2 tokens but this module"),
+        (KVCache(2, 16, 2, 4, dtype=torch.float64), TypeError, "cache is torch.float64"),
+        ("cache", TypeError, "cache must be a KVCache"),
+    ],
+)
+def test_bad_cache(cache, error, message):
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2)
+    with pytest.raises(error, match=message):
+        m(torch.randn(2, 5, 4), cache=cache)
+
+
+def test_decoding_past_max_tokens_is_refused_not_wrapped():
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2)
+    cache = m.make_cache(1, 3)
+    with torch.no_grad():
+        m(torch.randn(1, 3, 4), cache=cache)
+        with pytest.raises(ValueError, match=r"holds 3 of at most max_tokens \(3\)"):
+            m(torch.randn(1, 1, 4), cache=cache)
+    assert cache.position == 3
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: MultiHeadAttention(4, 6, 16, 0.0, 2, rope=True),
+            r"rope=True needs an even head_dim",
+        ),
+        (lambda: MultiHeadAttention(4, 8, 16, 0.0, 2, window=0), "window must be >= 1"),
+        (lambda: MultiHeadAttention(4, 8, 16, 0.0, 2, window=4, causal=False), "needs causal=True"),
+        (
+            lambda: MultiHeadAttention(4, 8, 16, 0.0, 2, rope=True, rope_base=0.5),
+            "rope_base must be > 1",
+        ),
+        (lambda: KVCache(0, 16, 2, 4), "batch_size must be >= 1"),
+    ],
+)
+def test_bad_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_cache_needs_causal_self_attention():
+    with pytest.raises(ValueError, match="a cache is for causal self-attention"):
+        m = MultiHeadAttention(4, 8, 16, 0.0, 2, causal=False)
+        m(torch.randn(1, 2, 4), cache=m.make_cache(1))
+    with pytest.raises(ValueError, match="a cache is for causal self-attention"):
+        m = MultiHeadAttention(4, 8, 16, 0.0, 2)
+        m(torch.randn(1, 2, 4), torch.randn(1, 3, 4), cache=m.make_cache(1))
+
+
+def test_a_bad_mask_leaves_the_cache_unchanged():
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2)
+    cache = m.make_cache(1)
+    with torch.no_grad():
+        m(torch.randn(1, 3, 4), cache=cache)
+        wrong = torch.ones(1, 1, 1, 3, dtype=torch.bool)  # should cover 4 positions
+        with pytest.raises(ValueError, match=r"positions so far\) = \(1, 2, 1, 4\)"):
+            m(torch.randn(1, 1, 4), mask=wrong, cache=cache)
+    assert cache.position == 3
