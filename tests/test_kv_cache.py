@@ -230,3 +230,34 @@ def test_a_bad_mask_leaves_the_cache_unchanged():
         with pytest.raises(ValueError, match=r"positions so far\) = \(1, 2, 1, 4\)"):
             m(torch.randn(1, 1, 4), mask=wrong, cache=cache)
     assert cache.position == 3
+
+
+def test_crop_rolls_back_to_an_earlier_token():
+    torch.manual_seed(9)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, rope=True, num_kv_heads=1).eval()
+    x, draft = torch.randn(1, 6, 4), torch.randn(1, 3, 4)
+    with torch.no_grad():
+        cache = m.make_cache(1)
+        m(x[:, :4], cache=cache)
+        m(draft, cache=cache)  # three draft tokens, then rejected
+        cache.crop(4)
+        assert cache.position == 4
+        torch.testing.assert_close(m(x[:, 4:], cache=cache), m(x)[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("position", "window", "crop_to", "error", "message"),
+    [
+        (3, None, 4, ValueError, r"num_tokens \(4\) is more than the cache holds \(3\)"),
+        (3, None, -1, ValueError, r"num_tokens must be >= 0, got -1"),
+        (3, None, 1.0, TypeError, r"num_tokens must be an int"),
+        (5, 4, 2, ValueError, r"overwritten tokens before position 1"),
+    ],
+)
+def test_bad_crop(position, window, crop_to, error, message):
+    cache = KVCache(1, 8, 1, 2, window=window)
+    for _ in range(position):
+        cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    with pytest.raises(error, match=message):
+        cache.crop(crop_to)
+    assert cache.position == position

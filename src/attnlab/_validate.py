@@ -78,8 +78,11 @@ def check_tensor(
 def check_like_module(name: str, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """Raise if `x` has another dtype or device than the module's parameters, naming the fix."""
     param = next(module.parameters(), None)
-    if param is None:
-        return x
+    return x if param is None else check_like_parameter(name, x, param)
+
+
+def check_like_parameter(name: str, x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """check_like_module against one parameter (cheaper, for per-token calls)."""
     if x.dtype != param.dtype:
         raise TypeError(
             f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "

@@ -20,11 +20,12 @@ from attnlab._validate import (
     check_divides,
     check_dropout,
     check_int,
-    check_like_module,
+    check_like_parameter,
     check_mask_kind,
     check_tensor,
 )
 from attnlab.kv_cache import KVCache
+from attnlab.projection import project
 from attnlab.rope import RotaryEmbedding, check_base
 
 _BOOK_PROJECTIONS = ("W_query", "W_key", "W_value")
@@ -195,7 +196,7 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if need_weights else (result, None)
         b, tq = x.shape[:2]
         out = out.transpose(1, 2).reshape(b, tq, self.d_out)  # (b, h, tq, hd) -> (b, tq, d_out)
-        out = self.out_proj(out)
+        out = project(out, self.out_proj)  # (b, tq, d_out)
         return (out, weights) if need_weights else out
 
     def _start_position(
@@ -271,7 +272,9 @@ class MultiHeadAttention(nn.Module):
                 f"({self.context_dim}) != d_in ({self.d_in}): pass context"
             )
         if context is None:
-            q, k, v = self.qkv_proj(x).split([self.d_out, self.kv_dim, self.kv_dim], dim=-1)
+            q, k, v = project(x, self.qkv_proj).split(
+                [self.d_out, self.kv_dim, self.kv_dim], dim=-1
+            )
         else:
             context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
             q_weight, kv_weight, q_bias, kv_bias = self._split_projection()
@@ -306,7 +309,7 @@ class MultiHeadAttention(nn.Module):
         x = check_tensor(
             name, x, ndims=(3,), layout=layout, last_dim=width, last_dim_name=width_name
         )
-        check_like_module(name, x, self)
+        check_like_parameter(name, x, self.out_proj.weight)
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"{name} has batch size {x.shape[0]} but x has {batch}")
         return x

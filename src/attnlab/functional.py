@@ -73,8 +73,8 @@ def _math(q, k, v, allowed, bias, scale, dropout_p):
     groups = hq // hkv
     compute = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least
     # a group's queries stacked as rows against their shared key head: no copy of k or v
-    qg = (q.to(compute) * scale).reshape(b, hkv, groups * tq, hd)  # (b, hkv, g*tq, hd)
-    scores = qg @ k.to(compute).transpose(-2, -1)  # (b, hkv, g*tq, tk)
+    qg = (_as(q, compute) * scale).reshape(b, hkv, groups * tq, hd)  # (b, hkv, g*tq, hd)
+    scores = qg @ _as(k, compute).transpose(-2, -1)  # (b, hkv, g*tq, tk)
     scores = scores.view(b, hq, tq, tk)  # (b, hq, tq, tk)
     if bias is not None:
         scores = scores + bias.to(compute)
@@ -88,9 +88,14 @@ def _math(q, k, v, allowed, bias, scale, dropout_p):
         weights = weights * row_has_key
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
-    out = weights.view(b, hkv, groups * tq, tk) @ v.to(compute)  # (b, hkv, g*tq, hdv)
+    out = weights.view(b, hkv, groups * tq, tk) @ _as(v, compute)  # (b, hkv, g*tq, hdv)
     out = out.view(b, hq, tq, v.shape[-1])  # (b, hq, tq, hdv)
-    return out.to(q.dtype), weights.to(q.dtype)
+    return _as(out, q.dtype), _as(weights, q.dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, with no call when it already is (decoding pays for every call)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):

@@ -88,6 +88,21 @@ class KVCache:
         """Forget every token (the buffers are kept, not reallocated)."""
         self.position = 0
 
+    def crop(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (to drop rejected draft tokens or
+        re-decode from a point). A rolling cache that has overwritten some of them cannot."""
+        check_int("num_tokens", num_tokens, minimum=0)
+        if num_tokens > self.position:
+            raise ValueError(
+                f"num_tokens ({num_tokens}) is more than the cache holds ({self.position})"
+            )
+        if self.rolling and self.position > self.capacity:
+            raise ValueError(
+                f"this rolling cache has overwritten tokens before position "
+                f"{self.position - self.capacity}: it cannot be cropped, only reset()"
+            )
+        self.position = num_tokens
+
     def check_room(self, num_new: int) -> None:
         """Raise unless `num_new` more tokens fit (a rolling cache always has room)."""
         if not self.rolling and self.position + num_new > self.capacity:
@@ -107,8 +122,8 @@ class KVCache:
         self.check_room(n)
         start = self.position
         if not self.rolling:
-            self.keys[:, :, start : start + n] = k
-            self.values[:, :, start : start + n] = v
+            self._keys_t[..., start : start + n] = k.transpose(-2, -1)  # (b, hkv, hd, n)
+            self._values_t[..., start : start + n] = v.transpose(-2, -1)
             self.position = start + n
             return self._held(start + n)
         if n == 1:  # the window's slots then hold exactly the keys this token may see
@@ -125,7 +140,8 @@ class KVCache:
 
     def _held(self, num: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The first `num` slots' keys and values, (b, hkv, num, hd) views, positions None."""
-        return self.keys[:, :, :num], self.values[:, :, :num], None
+        keys = self._keys_t[..., :num].transpose(-2, -1)  # (b, hkv, num, hd)
+        return keys, self._values_t[..., :num].transpose(-2, -1), None
 
     def slot_positions(self) -> torch.Tensor:
         """The absolute position of the token in each held slot, (num_tokens,)."""

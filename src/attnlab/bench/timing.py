@@ -1,0 +1,42 @@
+"""Timing and machine figures shared by the benchmarks: medians from torch.utils.benchmark
+with every thread torch uses (its default is one), measured in interleaved rounds so that
+drift on a shared machine hits every candidate alike."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+
+import torch
+from torch.utils import benchmark
+
+_READ_BYTES = 256 * 2**20  # larger than any last-level cache, so reads come from memory
+
+
+def interleaved_medians(
+    candidates: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int = 3,
+    min_run_time: float = 0.2,
+    warmup: int = 1,
+) -> dict[str, float]:
+    """Median seconds per call of each candidate, measured round-robin `rounds` times
+    (warm-up calls excluded)."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            timer = benchmark.Timer(
+                stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+            )
+            times[name].extend(timer.blocked_autorange(min_run_time=min_run_time).times)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def read_bandwidth(*, min_run_time: float = 0.2, device: str | torch.device = "cpu") -> float:
+    """Bytes per second this machine reads from memory: a sum over a 256 MiB buffer."""
+    buffer = torch.ones(_READ_BYTES // 4, dtype=torch.float32, device=device)
+    seconds = interleaved_medians({"read": buffer.sum}, rounds=1, min_run_time=min_run_time)["read"]
+    return buffer.nbytes / seconds

@@ -1,0 +1,54 @@
+"""attnlab.projection.project: the blocked matrix product for a few rows equals the layer's
+own forward, values and gradients, and steps aside for layers it must not bypass."""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from attnlab.projection import project
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    lead=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    in_features=st.integers(1, 24),
+    out_features=st.integers(1, 24),
+    bias=st.booleans(),
+)
+def test_equals_the_layer_values_and_gradients(seed, lead, in_features, out_features, bias):
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(*lead, in_features, requires_grad=True)  # rows may be 0 to 64
+    expected = layer(x)
+    got = project(x, layer)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, [x, *layer.parameters()], grad)
+    have = torch.autograd.grad(got, [x, *layer.parameters()], grad)
+    for g, e in zip(have, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_with_a_forward_hook_is_called_not_bypassed():
+    layer = nn.Linear(8, 8)
+    layer.register_forward_hook(lambda module, args, out: out * 0 + 7)  # e.g. an adapter
+    torch.testing.assert_close(project(torch.randn(1, 8), layer), torch.full((1, 8), 7.0))
+
+
+def test_a_linear_subclass_is_called_not_bypassed():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = Doubled(8, 8)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(project(x, layer), layer(x))
+
+
+def test_a_non_contiguous_weight_still_gives_the_layer_output():
+    layer = nn.Linear(8, 12)
+    with torch.no_grad():
+        layer.weight = nn.Parameter(torch.randn(8, 12).t())  # (12, 8), column-major
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(project(x, layer), layer(x))
