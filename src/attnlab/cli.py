@@ -25,7 +25,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="folder for the PNG heatmaps (default: %(default)s)",
     )
+    bench = commands.add_parser("bench", help="measure attnlab's speed and memory")
+    bench.add_argument(
+        "--decode",
+        action="store_true",
+        help="token-by-token decoding: KV cache against recomputing, bytes per head layout, "
+        "time against the memory-bandwidth floor",
+    )
+    bench.add_argument(
+        "--contexts",
+        type=_positive_ints,
+        metavar="N,N,...",
+        help="context lengths for --decode (default: 256,1024,4096)",
+    )
+    bench.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return parser
+
+
+def _positive_ints(text: str) -> list[int]:
+    """'256,1024' -> [256, 1024], for argparse."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected integers >= 2 joined by commas, got {text!r}")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,6 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from attnlab.demo import run_demo  # matplotlib is imported only when drawing
 
         run_demo(args.out)
+        return 0
+    if args.command == "bench":
+        if not args.decode:
+            parser.error("bench: choose what to measure: --decode")
+        from attnlab.bench import decode_command  # rich and the timers load only here
+
+        decode_command(args.contexts, quick=args.quick, json_path=args.json)
         return 0
     parser.print_help()
     return 2
