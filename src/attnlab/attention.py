@@ -10,6 +10,8 @@ hd = d_out / num_heads; the output is (b, tq, d_out).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -182,16 +184,10 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v, key_positions = cache.update(k, v)  # (b, hkv, tk, hd): every token held
         mask, causal = self._attention_mask(mask, q, k, start, key_positions, context is None)
-        result = functional.attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            causal=causal,
-            dropout_p=self.dropout,
-            training=self.training,
-            need_weights=need_weights,
-            backend=self.backend,
+        dropout_p = self.dropout if self.training else 0.0
+        scale = 1.0 / math.sqrt(self.head_dim)
+        result = functional.attend(
+            q, k, v, mask, causal, scale, dropout_p, need_weights, self.backend
         )
         out, weights = result if need_weights else (result, None)
         b, tq = x.shape[:2]
@@ -272,19 +268,13 @@ class MultiHeadAttention(nn.Module):
                 f"({self.context_dim}) != d_in ({self.d_in}): pass context"
             )
         if context is None:
-            q, k, v = project(x, self.qkv_proj).split(
-                [self.d_out, self.kv_dim, self.kv_dim], dim=-1
-            )
-        else:
-            context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
-            q_weight, kv_weight, q_bias, kv_bias = self._split_projection()
-            q = nn.functional.linear(x, q_weight, q_bias)
-            k, v = nn.functional.linear(context, kv_weight, kv_bias).chunk(2, dim=-1)
-        return (
-            self._split_heads(q, self.num_heads),
-            self._split_heads(k, self.num_kv_heads),
-            self._split_heads(v, self.num_kv_heads),
-        )
+            qkv = self._split_heads(project(x, self.qkv_proj), -1)  # (b, h + 2 hkv, t, hd)
+            return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
+        q_weight, kv_weight, q_bias, kv_bias = self._split_projection()
+        q = nn.functional.linear(x, q_weight, q_bias)
+        kv = self._split_heads(nn.functional.linear(context, kv_weight, kv_bias), -1)
+        return (self._split_heads(q, self.num_heads), *kv.chunk(2, dim=1))
 
     def _split_projection(self):
         """(query weight, key/value weight, query bias, key/value bias) for cross-attention."""
@@ -299,7 +289,9 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _split_heads(self, projected: torch.Tensor, heads: int) -> torch.Tensor:
-        b, t, _ = projected.shape
+        """Heads of head_dim features each (heads=-1: as many as the width holds)."""
+        b, t, width = projected.shape
+        heads = width // self.head_dim if heads == -1 else heads
         # (b, t, heads * hd) -> (b, t, heads, hd) -> (b, heads, t, hd)
         return projected.view(b, t, heads, self.head_dim).transpose(1, 2)
 

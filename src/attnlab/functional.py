@@ -51,6 +51,23 @@ def attention(
     _check_qkv(q, k, v)
     dropout_p = check_dropout("dropout_p", dropout_p) if training else 0.0
     scale = _check_scale(scale, q.shape[-1])
+    return attend(q, k, v, mask, causal, scale, dropout_p, need_weights, backend)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """attention() for a caller that built q, k, v itself (MultiHeadAttention): the same
+    result without re-checking q, k, v, scale and dropout_p, which decoding pays per token.
+    The mask is still checked (it comes from the user)."""
     backend = _choose_backend(backend, need_weights, q, k)
     allowed, bias = _split_mask(mask, q, k)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).

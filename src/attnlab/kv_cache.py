@@ -122,8 +122,8 @@ class KVCache:
         self.check_room(n)
         start = self.position
         if not self.rolling:
-            self._keys_t[..., start : start + n] = k.transpose(-2, -1)  # (b, hkv, hd, n)
-            self._values_t[..., start : start + n] = v.transpose(-2, -1)
+            self._keys_t.narrow(3, start, n).copy_(k.transpose(-2, -1))  # (b, hkv, hd, n)
+            self._values_t.narrow(3, start, n).copy_(v.transpose(-2, -1))
             self.position = start + n
             return self._held(start + n)
         if n == 1:  # the window's slots then hold exactly the keys this token may see
@@ -140,8 +140,8 @@ class KVCache:
 
     def _held(self, num: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The first `num` slots' keys and values, (b, hkv, num, hd) views, positions None."""
-        keys = self._keys_t[..., :num].transpose(-2, -1)  # (b, hkv, num, hd)
-        return keys, self._values_t[..., :num].transpose(-2, -1), None
+        keys = self._keys_t.narrow(3, 0, num).transpose(-2, -1)  # (b, hkv, num, hd)
+        return keys, self._values_t.narrow(3, 0, num).transpose(-2, -1), None
 
     def slot_positions(self) -> torch.Tensor:
         """The absolute position of the token in each held slot, (num_tokens,)."""
@@ -159,6 +159,9 @@ class KVCache:
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)
+        fits = k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype == self._keys_t.dtype
+        if fits and (k.shape[0], k.shape[1], k.shape[3]) == expected and k.device == self.device:
+            return  # the per-token case, checked in one pass
         for name, t in (("k", k), ("v", v)):
             got = (t.shape[0], t.shape[1], t.shape[3]) if t.dim() == 4 else None
             if got != expected:

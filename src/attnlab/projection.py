@@ -39,7 +39,7 @@ def _blocks_help(x: torch.Tensor, layer: nn.Module) -> bool:
         return False
     weight = layer.weight
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.shape[-1] > 0
         and x.numel() // x.shape[-1] <= _MAX_ROWS
         and weight.shape[0] % _BLOCKS == 0

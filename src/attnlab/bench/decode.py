@@ -4,18 +4,21 @@ against its memory-bandwidth floor.
 
 Decoding one token reads every projection weight and the whole cache once and does little
 arithmetic with them, so it is bound by memory traffic: (weight bytes + cache bytes read) /
-read bandwidth, measured in the same run, is the physical limit a step cannot beat.
+read bandwidth is the physical limit a step cannot beat. The bandwidth is measured in the
+same interleaved rounds as the step it bounds, so that a busy neighbour on a shared machine
+slows both alike.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench.timing import interleaved_medians, read_bandwidth
+from attnlab.bench.timing import interleaved_medians, memory_read
 
 GPT2_SMALL = {"d_model": 768, "num_heads": 12, "layers": 12}
 
@@ -27,6 +30,7 @@ class DecodeRow:
     context: int
     cached_s: float
     recompute_s: float
+    read_bytes_per_s: float
     floor_s: float
 
     @property
@@ -46,6 +50,7 @@ class CacheRow:
     num_kv_heads: int
     bytes_per_token: int
     cached_s: float
+    read_bytes_per_s: float
     floor_s: float
 
 
@@ -56,16 +61,22 @@ class DecodeReport:
     layers: int
     dtype: str
     threads: int
-    read_bytes_per_s: float
     weight_bytes: int
     rows: list[DecodeRow] = field(default_factory=list)
     cache_rows: list[CacheRow] = field(default_factory=list)
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """Median read bandwidth over every measured row."""
+        rows = [*self.rows, *self.cache_rows]
+        return statistics.median(row.read_bytes_per_s for row in rows) if rows else float("nan")
 
     def to_dict(self) -> dict:
         """Plain numbers for --json, derived ratios included."""
         out = asdict(self)
         for row, raw in zip(self.rows, out["rows"], strict=True):
             raw.update(speedup=row.speedup, over_floor=row.over_floor)
+        out["read_bytes_per_s"] = self.read_bytes_per_s
         return out
 
 
@@ -88,8 +99,7 @@ def run_decode(
     table (default num_heads, num_heads / 3 when it divides, and 1)."""
     torch.manual_seed(0)
     kv_heads = list(kv_heads) or _default_kv_heads(num_heads)
-    progress("read bandwidth")
-    bandwidth = read_bandwidth(min_run_time=min_run_time)
+    reader = memory_read()
     stack = _stack(d_model, num_heads, num_heads, max(contexts), dtype, layers)
     report = DecodeReport(
         d_model,
@@ -97,18 +107,15 @@ def run_decode(
         layers,
         str(dtype).removeprefix("torch."),
         torch.get_num_threads(),
-        bandwidth,
         _weight_bytes(stack[0]),
     )
     for context in contexts:
         progress(f"context {context}")
-        report.rows.append(_decode_row(stack, context, bandwidth, min_run_time, rounds))
+        report.rows.append(_decode_row(stack, context, reader, min_run_time, rounds))
     for heads in kv_heads:
         progress(f"{heads} key/value heads")
         grouped = _stack(d_model, num_heads, heads, max(contexts), dtype, layers)
-        report.cache_rows.append(
-            _cache_row(grouped, max(contexts), bandwidth, min_run_time, rounds)
-        )
+        report.cache_rows.append(_cache_row(grouped, max(contexts), reader, min_run_time, rounds))
     return report
 
 
@@ -169,28 +176,38 @@ def _decode_steps(modules: Sequence[MultiHeadAttention], context: int):
     return first_layer, every_layer, recompute
 
 
-def _decode_row(modules, context, bandwidth, min_run_time, rounds) -> DecodeRow:
+def _decode_row(modules, context, reader, min_run_time, rounds) -> DecodeRow:
     first_layer, every_layer, recompute = _decode_steps(modules, context)
     cached, recomputed = first_layer(), recompute()
     if not torch.allclose(cached, recomputed, atol=1e-4, rtol=1e-4):  # the same token, or no race
         error = (cached - recomputed).abs().max().item()
         raise RuntimeError(f"cached decoding differs from recomputing by {error} at {context}")
+    read, read_bytes = reader
     times = interleaved_medians(
-        {"cached": every_layer, "recompute": recompute}, rounds=rounds, min_run_time=min_run_time
+        {"cached": every_layer, "recompute": recompute, "read": read},
+        rounds=rounds,
+        min_run_time=min_run_time,
     )
+    bandwidth = read_bytes / times["read"]
     per_layer = times["cached"] / len(modules)
-    return DecodeRow(context, per_layer, times["recompute"], _floor(modules[0], context, bandwidth))
+    floor = _floor(modules[0], context, bandwidth)
+    return DecodeRow(context, per_layer, times["recompute"], bandwidth, floor)
 
 
-def _cache_row(modules, context, bandwidth, min_run_time, rounds) -> CacheRow:
+def _cache_row(modules, context, reader, min_run_time, rounds) -> CacheRow:
     _, every_layer, _ = _decode_steps(modules, context)
-    seconds = interleaved_medians({"cached": every_layer}, rounds=rounds, min_run_time=min_run_time)
+    read, read_bytes = reader
+    times = interleaved_medians(
+        {"cached": every_layer, "read": read}, rounds=rounds, min_run_time=min_run_time
+    )
+    bandwidth = read_bytes / times["read"]
     module = modules[0]
     return CacheRow(
         _layout(module),
         module.num_kv_heads,
         module.make_cache(1, 1).nbytes,
-        seconds["cached"] / len(modules),
+        times["cached"] / len(modules),
+        bandwidth,
         _floor(module, context, bandwidth),
     )
 

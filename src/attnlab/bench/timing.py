@@ -35,8 +35,15 @@ def interleaved_medians(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def read_bandwidth(*, min_run_time: float = 0.2, device: str | torch.device = "cpu") -> float:
-    """Bytes per second this machine reads from memory: a sum over a 256 MiB buffer."""
+def memory_read(device: str | torch.device = "cpu") -> tuple[Callable[[], object], int]:
+    """A call that reads a 256 MiB buffer from memory (a sum), and the bytes it reads: time it
+    beside other candidates to get the read bandwidth under the same conditions."""
     buffer = torch.ones(_READ_BYTES // 4, dtype=torch.float32, device=device)
-    seconds = interleaved_medians({"read": buffer.sum}, rounds=1, min_run_time=min_run_time)["read"]
-    return buffer.nbytes / seconds
+    return buffer.sum, buffer.nbytes
+
+
+def read_bandwidth(*, min_run_time: float = 0.2, device: str | torch.device = "cpu") -> float:
+    """Bytes per second this machine reads from memory, measured on its own."""
+    read, nbytes = memory_read(device)
+    seconds = interleaved_medians({"read": read}, rounds=1, min_run_time=min_run_time)["read"]
+    return nbytes / seconds
