@@ -273,7 +273,7 @@ def module(**kwargs):
         (dict(context_dim=2.0), TypeError, "context_dim must be an int"),
         (dict(causal="yes"), TypeError, "causal must be a bool"),
         (dict(dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
-        (dict(backend="flash"), ValueError, "backend must be one of"),
+        (dict(backend="xformers"), ValueError, "backend must be one of"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, error, message):

@@ -8,9 +8,11 @@ additive float; either broadcasts to (b, hq, tq, tk). A query with no key it may
 gets zeros, never NaN, in forward and backward, on every backend.
 
 Backends: "math" (explicit softmax in float32, the reference, the only one that can return
-the weights) and "sdpa" (torch.nn.functional.scaled_dot_product_attention); "auto" takes
-sdpa unless the weights are asked for, or a few queries read a CPU KV cache (keys stored
-tokens-last), where the math path's matrix products are faster.
+the weights), "sdpa" (torch.nn.functional.scaled_dot_product_attention) and "flash"
+(attnlab.flash_cpu: causal float32 attention on the CPU, skipping the masked half).
+"auto" takes math when the weights are asked for or a few queries read a CPU KV cache
+(keys stored tokens-last, where its matrix products are faster), flash for causal float32
+CPU attention without dropout, and sdpa otherwise.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from attnlab import masks
+from attnlab import flash_cpu, masks
 from attnlab._validate import check_broadcasts_to, check_dropout, check_mask_kind, check_tensor
 
-BACKENDS = ("auto", "math", "sdpa")
+BACKENDS = ("auto", "math", "sdpa", "flash")
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -68,8 +70,10 @@ def attend(
     """attention() for a caller that built q, k, v itself (MultiHeadAttention): the same
     result without re-checking q, k, v, scale and dropout_p, which decoding pays per token.
     The mask is still checked (it comes from the user)."""
-    backend = _choose_backend(backend, need_weights, q, k)
+    backend = _choose_backend(backend, need_weights, (q, k, v), causal, dropout_p)
     allowed, bias = _split_mask(mask, q, k)
+    if backend == "flash":
+        return flash_cpu.causal_attention(q, k, v, _additive(allowed, bias), scale)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
     sdpa_is_causal = backend == "sdpa" and causal and mask is None and q.shape[2] == k.shape[2]
     # one query that is the newest token sees every key: nothing to mask
@@ -200,16 +204,65 @@ def check_backend(backend: object) -> str:
     return backend
 
 
-def _choose_backend(backend: object, need_weights: bool, q: torch.Tensor, k: torch.Tensor) -> str:
+def _choose_backend(
+    backend: object,
+    need_weights: bool,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    causal: bool,
+    dropout_p: float,
+) -> str:
     backend = check_backend(backend)
-    if need_weights and backend == "sdpa":
+    q, k, _ = qkv
+    if need_weights and backend in ("sdpa", "flash"):
         raise ValueError(
-            "need_weights=True needs backend 'math' or 'auto': the 'sdpa' backend "
-            "never materialises the weights"
+            f"need_weights=True needs backend 'math' or 'auto': the {backend!r} backend "
+            f"never materialises the weights"
         )
-    if backend == "auto":
-        return "math" if need_weights or _reads_cache_faster(q, k) else "sdpa"
-    return backend
+    if backend == "flash":
+        _check_flash(qkv, causal, dropout_p)
+    if backend != "auto":
+        return backend
+    if need_weights or _reads_cache_faster(q, k):
+        return "math"
+    return "flash" if _flash_helps(qkv, causal, dropout_p) else "sdpa"
+
+
+def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:
+    """Causal float32 attention on the CPU with more than a few queries: attnlab's kernel
+    skips the masked half that PyTorch's computes in part (when it could be built)."""
+    return (
+        causal
+        and dropout_p == 0.0
+        and qkv[0].shape[2] > 32
+        and qkv[1].shape[2] > 0
+        and flash_cpu.supports(*qkv)
+        and flash_cpu.available()
+    )
+
+
+def _check_flash(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> None:
+    """Raise unless the 'flash' backend can run this call."""
+    if not causal or dropout_p > 0.0:
+        raise ValueError(
+            f"backend 'flash' computes causal attention without dropout, got causal={causal}, "
+            f"dropout_p={dropout_p}: use 'auto'"
+        )
+    if not flash_cpu.supports(*qkv):
+        q = qkv[0]
+        raise ValueError(
+            f"backend 'flash' takes float32 CPU tensors with one head_dim for q, k and v, got "
+            f"{q.dtype} on {q.device}, head_dims {[t.shape[-1] for t in qkv]}: use 'auto'"
+        )
+    if not flash_cpu.available():
+        raise ValueError(f"backend 'flash' is unavailable here: {flash_cpu.load_error()}")
+
+
+def _additive(allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """One additive float mask from the split ones: bias, -inf where not allowed."""
+    if allowed is None:
+        return bias
+    base = torch.zeros(allowed.shape, device=allowed.device) if bias is None else bias
+    return base.masked_fill(~allowed, -torch.inf)
 
 
 def _reads_cache_faster(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -1,0 +1,243 @@
+// Causal flash attention forward for the CPU (float32), attnlab's "auto" backend.
+//
+// The online-softmax algorithm of FlashAttention-2: each task takes one block of query rows
+// of one head, walks the key blocks it may see, and keeps a running max, sum and weighted
+// value sum, so no tokens x tokens matrix is ever stored. What differs from PyTorch's CPU
+// kernel is where the causal work stops: a query block reads keys only up to its own last
+// row (PyTorch's reads whole 512-key blocks past the diagonal), so the work done is the
+// causal half plus one small triangle per query block.
+//
+// Matrix products are BLAS sgemm calls (column-major; the row-major blocks are passed as
+// their transposes). Fully masked rows give zeros and a logsumexp of 0, the convention of
+// PyTorch's flash backward, which computes the gradients from this kernel's output.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// C (rows x cols, row-major, leading dimension ldc) = alpha * A @ op(B) + beta * C, all
+// row-major, expressed as the column-major product C^T = op(B)^T A^T.
+void gemm_rowmajor(bool b_transposed, int rows, int cols, int inner, float alpha, const float* a,
+                   int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  const char trans_b = b_transposed ? 'T' : 'N';
+  const char no = 'N';
+  sgemm_(&trans_b, &no, &cols, &rows, &inner, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// row <- row (+ bias), columns past `last` (inclusive bound) set to -inf; returns the max.
+// The scale is already applied by the product that wrote the row.
+float mask_max(float* row, int cols, const float* bias, int64_t bias_stride, int last) {
+  const int open = std::max(0, std::min(cols, last + 1));
+  Vec vmax(kNegInf);
+  int j = 0;
+  if (bias == nullptr) {
+    for (; j + Vec::size() <= open; j += Vec::size()) {
+      vmax = at::vec::maximum(vmax, Vec::loadu(row + j));
+    }
+  } else if (bias_stride == 1) {
+    for (; j + Vec::size() <= open; j += Vec::size()) {
+      const Vec s = Vec::loadu(row + j) + Vec::loadu(bias + j);
+      s.store(row + j);
+      vmax = at::vec::maximum(vmax, s);
+    }
+  }
+  float row_max = at::vec::vec_reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+  for (; j < open; ++j) {
+    if (bias != nullptr) row[j] += bias[j * bias_stride];
+    row_max = std::max(row_max, row[j]);
+  }
+  std::fill(row + open, row + cols, kNegInf);
+  return row_max;
+}
+
+// row <- exp(row - max); returns the sum (vectorised exp of ATen).
+float exp_sum(float* row, int cols, float row_max) {
+  const Vec vmax(row_max);
+  Vec vsum(0.0f);
+  int j = 0;
+  for (; j + Vec::size() <= cols; j += Vec::size()) {
+    Vec e = (Vec::loadu(row + j) - vmax).exp_u20();
+    e.store(row + j);
+    vsum += e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; j < cols; ++j) {
+    row[j] = std::exp(row[j] - row_max);
+    sum += row[j];
+  }
+  return sum;
+}
+
+struct Strides {
+  int64_t b, h, t;  // batch, head, token; features are contiguous
+};
+
+Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// One query block of one head: its rows, the keys and values of its key/value head, the
+// mask rows, and the running softmax state (max, sum, weighted values) of every row.
+struct QueryBlock {
+  const float* q;  // first row; rows q_stride apart
+  int64_t q_stride;
+  const float* k;  // key 0 of the head; keys kv_stride apart
+  int64_t k_stride;
+  const float* v;
+  int64_t v_stride;
+  const float* mask;  // bias row of the first query (null: none); rows mask_row apart
+  int64_t mask_row, mask_key;
+  int64_t dim;
+  float scale;
+  float* scores;  // scratch, rows x kv_split
+  float* acc;     // rows x dim
+  float* row_max;
+  float* row_sum;
+
+  // Rows [r0, r0 + rows) against keys [n, n + cols); row r sees keys up to key index
+  // last0 + (r - r0) (inclusive; pass a large value for no causal cut).
+  void tile(int64_t r0, int rows, int64_t n, int cols, int64_t last0) {
+    float* s = scores;
+    gemm_rowmajor(true, rows, cols, static_cast<int>(dim), scale, q + r0 * q_stride,
+                  static_cast<int>(q_stride), k + n * k_stride, static_cast<int>(k_stride), 0.0f,
+                  s, cols);  // (rows, cols) = scale * q_rows @ k_block^T
+    for (int r = 0; r < rows; ++r) {
+      float* row = s + r * cols;
+      const int64_t last = std::min<int64_t>(last0 + r - n, cols - 1);
+      const float* bias = mask ? mask + (r0 + r) * mask_row + n * mask_key : nullptr;
+      const float block_max = mask_max(row, cols, bias, mask_key, static_cast<int>(last));
+      const float new_max = std::max(row_max[r0 + r], block_max);
+      if (new_max == kNegInf) {  // nothing visible yet in this row
+        std::fill(row, row + cols, 0.0f);
+        continue;
+      }
+      const float sum = exp_sum(row, cols, new_max);
+      const float correction = std::exp(row_max[r0 + r] - new_max);
+      row_sum[r0 + r] = row_sum[r0 + r] * correction + sum;
+      row_max[r0 + r] = new_max;
+      if (correction != 1.0f) {
+        float* acc_row = acc + (r0 + r) * dim;
+        at::vec::map<float>([correction](Vec x) { return x * Vec(correction); }, acc_row,
+                            acc_row, dim);
+      }
+    }
+    gemm_rowmajor(false, rows, static_cast<int>(dim), cols, 1.0f, s, cols, v + n * v_stride,
+                  static_cast<int>(v_stride), 1.0f, acc + r0 * dim,
+                  static_cast<int>(dim));  // acc rows (rows, dim) += p (rows, cols) @ v_block
+  }
+};
+
+}  // namespace
+
+// q (b, hq, tq, d), k and v (b, hkv, tk, d) with contiguous features; mask: empty, or an
+// additive float mask broadcast to (b, hq, tq, tk) (any strides). Causal masking is
+// bottom-right aligned: query i sees keys up to i + tk - tq. Query blocks of q_split rows
+// read keys in blocks of kv_split; the keys on a block's diagonal are read in row
+// sub-blocks of diag_split, so that little work past the diagonal is done. Returns the
+// output as (b, hq, tq, d) stored (b, tq, hq, d), and the logsumexp (b, hq, tq).
+std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& mask,
+                                             double scale, bool causal, int64_t q_split,
+                                             int64_t kv_split, int64_t diag_split) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "causal_flash_forward: float32 only");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "causal_flash_forward: features must be contiguous");
+  TORCH_CHECK(diag_split > 0 && diag_split <= kv_split && q_split > 0,
+              "causal_flash_forward: bad block sizes");
+  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1), tk = k.size(2);
+  const int64_t groups = heads / kv_heads, offset = tk - tq;
+  const bool has_mask = mask.defined() && mask.numel() > 0;
+
+  auto out = at::empty({batch, tq, heads, dim}, q.options()).transpose(1, 2);
+  auto lse = at::empty({batch, heads, tq}, q.options());
+  const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v), os = strides_of(out);
+  const Strides ms = has_mask ? strides_of(mask) : Strides{0, 0, 0};
+  const int64_t mask_key = has_mask ? mask.stride(3) : 0;
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  const float* mask_data = has_mask ? mask.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  float* lse_data = lse.data_ptr<float>();
+  const int64_t q_blocks = (tq + q_split - 1) / q_split;
+  const int64_t no_cut = std::numeric_limits<int32_t>::max();
+
+  at::parallel_for(0, batch * heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(q_split * kv_split), acc(q_split * dim);
+    std::vector<float> row_max(q_split), row_sum(q_split);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % q_blocks, h = (task / q_blocks) % heads;
+      const int64_t b = task / (q_blocks * heads), hk = h / groups;
+      const int64_t m = block * q_split, rows = std::min(q_split, tq - m);
+      QueryBlock qb{q_data + b * qs.b + h * qs.h + m * qs.t,
+                    qs.t,
+                    k_data + b * ks.b + hk * ks.h,
+                    ks.t,
+                    v_data + b * vs.b + hk * vs.h,
+                    vs.t,
+                    has_mask ? mask_data + b * ms.b + h * ms.h + m * ms.t : nullptr,
+                    ms.t,
+                    mask_key,
+                    dim,
+                    static_cast<float>(scale),
+                    scores.data(),
+                    acc.data(),
+                    row_max.data(),
+                    row_sum.data()};
+      std::fill(row_max.begin(), row_max.begin() + rows, kNegInf);
+      std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
+      std::fill(acc.begin(), acc.begin() + rows * dim, 0.0f);
+      // keys every row sees in full, then (causal) the diagonal band [shared, keys)
+      const int64_t first_last = m + offset;  // the first row's last visible key
+      const int64_t keys = causal ? std::clamp<int64_t>(first_last + rows, 0, tk) : tk;
+      const int64_t shared = causal ? std::clamp<int64_t>(first_last + 1, 0, keys) : keys;
+      for (int64_t n = 0; n < shared; n += kv_split) {
+        qb.tile(0, static_cast<int>(rows), n, static_cast<int>(std::min(kv_split, shared - n)),
+                no_cut);
+      }
+      for (int64_t r = 0; r < rows && shared < keys; r += diag_split) {
+        const int64_t sub = std::min(diag_split, rows - r);
+        const int64_t sub_keys = std::clamp<int64_t>(first_last + r + sub, shared, keys);
+        if (sub_keys > shared) {
+          qb.tile(r, static_cast<int>(sub), shared, static_cast<int>(sub_keys - shared),
+                  first_last + r);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool empty = row_sum[r] == 0.0f;
+        const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
+        float* out_row = out_data + b * os.b + h * os.h + (m + r) * os.t;
+        at::vec::map<float>([inverse](Vec x) { return x * Vec(inverse); }, out_row,
+                            acc.data() + r * dim, dim);
+        lse_data[(b * heads + h) * tq + m + r] = empty ? 0.0f : row_max[r] + std::log(row_sum[r]);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+TORCH_LIBRARY(attnlab, m) {
+  m.def(
+      "causal_flash_forward(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, bool causal, "
+      "int q_split, int kv_split, int diag_split) -> Tensor[]");
+  m.impl("causal_flash_forward", c10::DispatchKey::CPU, TORCH_FN(causal_flash_forward));
+}

@@ -1,0 +1,152 @@
+"""attnlab's causal flash-attention kernel for the CPU (float32), behind the "auto" backend.
+
+PyTorch's CPU flash kernel skips causal work only in whole 512-key blocks: at 1024 tokens
+its causal call does 0.75 of the unmasked work where 0.5 is needed. The kernel in
+csrc/causal_attention.cpp reads each query block's keys only up to its diagonal. It is a
+C++ extension compiled on first use with torch.utils.cpp_extension (about 20 s, cached in
+TORCH_EXTENSIONS_DIR); where it cannot be built (no compiler, no BLAS symbols) attnlab
+warns once and uses PyTorch's kernel instead. ATTNLAB_NO_EXTENSION=1 turns it off.
+
+The backward pass is PyTorch's own flash backward, fed this kernel's output and
+logsumexp: the same gradients, at PyTorch's speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "causal_attention.cpp"
+_Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT = 128, 512, 32  # rows, keys, diagonal rows per tile
+
+
+@functools.cache
+def load_error() -> str | None:
+    """None once the extension is built and loaded, else why it is not."""
+    if os.environ.get("ATTNLAB_NO_EXTENSION") == "1":
+        return "turned off by ATTNLAB_NO_EXTENSION=1"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="attnlab_causal_flash",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *_vector_flags()],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # a missing compiler or symbol: fall back, say why once
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        warnings.warn(
+            f"attnlab's CPU causal kernel is unavailable ({reason}); using PyTorch's",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return reason
+    return None
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded (builds it on the first call)."""
+    return load_error() is None
+
+
+def _vector_flags() -> list[str]:
+    """Compiler flags for ATen's vector types on this CPU: AVX2 where PyTorch uses AVX2 or
+    AVX-512, the portable scalar version elsewhere."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine() in ("x86_64", "AMD64") and capability in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Inputs the kernel handles: float32 CPU tensors, one head_dim for q, k and v."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+    )
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Causal (bottom-right aligned) attention of q (b, hq, tq, d) over k, v (b, hkv, tk, d),
+    with an optional additive float bias broadcastable to (b, hq, tq, tk), -inf where a query
+    may not attend. A row with no key it may see gets zeros. Differentiable."""
+    return _CausalFlash.apply(q, k, v, bias, scale)
+
+
+class _CausalFlash(torch.autograd.Function):
+    """Forward: attnlab's kernel; backward: PyTorch's flash backward from its output and
+    logsumexp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        q, k, v = (_features_contiguous(t) for t in (q, k, v))
+        mask = torch.empty(0) if bias is None else _broadcast_4d(bias, q, k)
+        out, lse = torch.ops.attnlab.causal_flash_forward(
+            q, k, v, mask, scale, True, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
+        )
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        b, hq, tq, _ = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        groups = hq // hkv
+        if groups > 1:  # PyTorch's backward wants one key/value head per query head
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # (b, hq, tk, d)
+        square = tq == tk  # PyTorch's is_causal is top-left aligned: right when square
+        attn_mask = mask if mask.numel() else None
+        if not square:
+            causal = _bottom_right_bias(tq, tk, q.device)  # (tq, tk)
+            attn_mask = causal if attn_mask is None else attn_mask + causal
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad_q, grad_k, grad_v = flash_backward(
+            grad_out.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            0.0,
+            square,
+            attn_mask=attn_mask,
+            scale=ctx.scale,
+        )
+        if groups > 1:  # sum each key/value head's gradient over its query heads
+            grad_k = grad_k.view(b, hkv, groups, tk, -1).sum(2)  # (b, hkv, tk, d)
+            grad_v = grad_v.view(b, hkv, groups, tk, -1).sum(2)
+        return grad_q, grad_k, grad_v, None, None
+
+
+def _features_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _broadcast_4d(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The bias as a float32 (b, hq, tq, tk) view (broadcast dimensions have stride 0)."""
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return bias.to(torch.float32).expand(shape)
+
+
+def _bottom_right_bias(tq: int, tk: int, device: torch.device) -> torch.Tensor:
+    """(tq, tk) additive causal mask: 0 where query i may see key j <= i + tk - tq."""
+    rows = torch.arange(tq, device=device).unsqueeze(1)
+    cols = torch.arange(tk, device=device)
+    allowed = cols <= rows + (tk - tq)
+    return torch.zeros(tq, tk, device=device).masked_fill(~allowed, -torch.inf)
