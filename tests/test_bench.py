@@ -4,8 +4,19 @@ is asserted (times on shared machines are noise): only that they exist and are c
 import json
 
 import pytest
+import torch
 
 from attnlab import cli
+from attnlab.bench import compare
+from attnlab.bench.compare import MODES
+from attnlab.bench.memory import CORE_NAME, MEMORY_PEERS, peak_bytes, peak_method
+
+QUADRATIC = {  # the memory table's implementations that hold (t x t) scores
+    "attnlab math",
+    "nn.MultiheadAttention need_weights=True",
+    "book MultiHeadAttention",
+    "book MultiHeadAttentionWrapper",
+}
 
 
 def test_decode_quick_end_to_end(tmp_path, capsys):
@@ -28,11 +39,132 @@ def test_decode_quick_end_to_end(tmp_path, capsys):
     assert per_token == {12: 2 * 12 * 64 * 4, 4: 2 * 4 * 64 * 4, 1: 2 * 1 * 64 * 4}
 
 
-def test_bench_needs_a_mode(capsys):
+def test_compare_quick_end_to_end(tmp_path, capsys):
+    figures, chart = tmp_path / "compare.json", tmp_path / "compare.png"
+    assert cli.main(["bench", "--quick", "--json", str(figures), "--plot", str(chart)]) == 0
+    printed = capsys.readouterr().out
+    assert "Causal self-attention module, forward" in printed and "attention core" in printed
+    report = json.loads(figures.read_text())
+    b, t, d = report["batch"], report["tokens"], report["d_model"]
+    assert (b, t, d, report["num_heads"]) == (1, 64, 64, 4)
+    rows = report["rows"]
+    module = {(row["mode"], row["name"]) for row in rows if row["table"] == "module"}
+    names = {name for _, name in module}
+    assert "attnlab auto" in names and "book MultiHeadAttentionWrapper" in names
+    assert "nanoGPT SDPA" in names and "nn.MultiheadAttention need_weights=False" in names
+    assert module == {(mode, name) for mode in MODES for name in names}  # every peer, both modes
+    forward_flops = 8 * b * t * d**2 + 2 * b * t**2 * d
+    for row in rows:
+        assert row["skipped"] == "" and row["seconds"] > 0
+        backward = 3 if row["mode"] == "forward+backward" else 1
+        if row["table"] == "module":
+            assert row["flops"] == backward * forward_flops
+        else:  # the core: causal half, or the whole (t x t) without a mask
+            causal = "no mask" not in row["name"]
+            assert row["flops"] == backward * (2 if causal else 4) * b * t**2 * d
+        assert row["flops_per_s"] == pytest.approx(row["flops"] / row["seconds"])
+        group = [r for r in rows if (r["table"], r["mode"]) == (row["table"], row["mode"])]
+        fastest = min(r["seconds"] for r in group)
+        assert row["vs_fastest"] == pytest.approx(row["seconds"] / fastest)
+        assert row["matmul_flops_per_s"] > 0
+        assert row["of_matmul"] == pytest.approx(row["flops_per_s"] / row["matmul_flops_per_s"])
+        if report["peak_method"] is not None:
+            assert row["peak_bytes"] >= 0
+    assert all(value > 0 for value in report["matmul_flops_per_s"].values())
+    assert len(report["matmul_flops_per_s"]) == 4  # beside each mode of each table
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+
+
+def test_memory_quick_end_to_end(tmp_path, capsys):
+    figures = tmp_path / "memory.json"
+    assert cli.main(["bench", "--memory", "--quick", "--json", str(figures)]) == 0
+    assert "Peak memory by context length" in capsys.readouterr().out
+    report = json.loads(figures.read_text())
+    rows = {(row["name"], row["tokens"]): row for row in report["rows"]}
+    assert {tokens for _, tokens in rows} == {256, 512}
+    assert {name for name, _ in rows} == {*MEMORY_PEERS, CORE_NAME}
+    for (name, tokens), row in rows.items():
+        assert row["io_bytes"] == 4 * tokens * 768 * 4  # q, k, v, out in float32, batch 1
+        scores = 12 * tokens**2 * 4  # one float32 (b, h, t, t) tensor
+        quadratic = name in QUADRATIC
+        if quadratic and scores > report["max_bytes"]:  # 512 tokens under quick's 8 MiB
+            assert row["needs_bytes"] == scores and row["peak_bytes"] is None
+            assert "scores need 12.0 MiB" in row["skipped"]
+        else:
+            assert row["needs_bytes"] is None and row["skipped"] == ""
+            if report["method"] is not None:
+                assert row["ratio"] == pytest.approx(row["peak_bytes"] / row["io_bytes"])
+    assert all(rows[name, 512]["needs_bytes"] for name in QUADRATIC)
+    if report["method"] is not None:  # the scores show: the math backend holds more than SDPA
+        math, sdpa = rows["attnlab math", 256], rows["attnlab sdpa", 256]
+        assert math["peak_bytes"] > sdpa["peak_bytes"] + 12 * 256**2 * 4
+
+
+def test_peak_bytes_sees_a_large_temporary():
+    """The peak counts memory that is freed before the call returns, and the result."""
+    device = torch.device("cpu")
+    if peak_method(device) is None:
+        pytest.skip("no way to measure peak memory on this system")
+    size = 64 * 2**20
+
+    def call():
+        temporary = torch.ones(size // 4)  # 64 MiB, freed on return
+        return temporary[: size // 8].clone()  # 32 MiB kept
+
+    assert peak_bytes(call, device) >= size + size // 2 - 2**20
+
+
+def test_skipped_peer_is_a_row_not_a_crash(monkeypatch):
+    """A peer that fails (FlexAttention without a compiler, say) is reported as skipped."""
+
+    def broken(shape, weights):
+        raise RuntimeError("no backend for this\nsecond line")
+
+    peers = [*compare.module_peers(), compare.Peer("broken", broken)]
+    monkeypatch.setattr(compare, "module_peers", lambda flex=False: peers)
+    report = compare.run_compare(quick=True)
+    rows = [row for row in report.rows if row.name == "broken"]
+    assert [row.mode for row in rows] == list(MODES)
+    assert all(row.seconds is None and row.peak_bytes is None for row in rows)
+    assert all(row.skipped == "RuntimeError: no backend for this" for row in rows)
+
+
+def test_bench_modes_exclude_each_other(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench"])
+        cli.main(["bench", "--decode", "--memory"])
     assert exit_info.value.code == 2
-    assert "--decode" in capsys.readouterr().err
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", "float64"], "invalid choice: 'float64'"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--tokens", "0"], "expected an integer >= 1"),
+        (["--batch", "x"], "expected an integer >= 1"),
+        (["--plot", "chart.svg"], "give a file name ending in .png"),
+        (["--plot", "no/such/folder/chart.png"], "does not exist"),
+        (["--json", "no/such/folder/f.json"], "does not exist"),
+        (["--memory", "--plot", "chart.png"], "--plot applies to the comparison only"),
+        (["--memory", "--tokens", "8"], "--tokens applies to the comparison only"),
+        (["--decode", "--dtype", "float16"], "--dtype applies to the comparison and --memory"),
+        (["--contexts", "8,16"], "--contexts applies to --decode only"),
+    ],
+)
+def test_bench_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_absent_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--device", "cuda", "--quick"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("contexts", ["1,2", "a", ""])

@@ -1,23 +1,106 @@
 """attnlab's benchmarks (no argument parsing here: that is attnlab.cli).
 
+compare: attnlab's module and attention core against their peers (the book's classes,
+nn.MultiheadAttention, a nanoGPT-style module, FlexAttention), forward and forward +
+backward: time, FLOP/s against the machine's matmul throughput, peak memory.
+memory: forward peak memory from 1k to 32k tokens, against the bytes of q, k, v and output.
 decode: tokens per second with a KV cache against recomputing, cache bytes per head layout,
 and each step against its memory-bandwidth floor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
-from attnlab.bench.report import print_decode, write_json
+from attnlab.bench.memory import MemoryReport, memory_steps, run_memory
+from attnlab.bench.report import (
+    plot_compare,
+    print_compare,
+    print_decode,
+    print_memory,
+    write_json,
+)
 
 QUICK_DECODE = {"contexts": (32, 128), "layers": 2, "min_run_time": 0.02, "rounds": 1}
 
-__all__ = ["DecodeReport", "decode_command", "run_decode"]
+__all__ = [
+    "CompareReport",
+    "DecodeReport",
+    "MemoryReport",
+    "compare_command",
+    "decode_command",
+    "memory_command",
+    "plot_compare",
+    "run_compare",
+    "run_decode",
+    "run_memory",
+]
+
+
+def compare_command(
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tokens: int | None = None,
+    batch: int | None = None,
+    quick: bool = False,
+    flex: bool = False,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    console: Console | None = None,
+) -> CompareReport:
+    """`attnlab bench`: compare the peers with a progress bar, print the tables, and write
+    the figures as JSON and the chart as PNG when the paths are given."""
+    console = console or Console()
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("comparing", total=compare_steps(flex=flex))
+        report = run_compare(
+            device=device,
+            dtype=dtype,
+            tokens=tokens,
+            batch=batch,
+            quick=quick,
+            flex=flex,
+            progress=_advance(progress, task),
+        )
+    print_compare(report, console)
+    if json_path is not None:
+        write_json(report.to_dict(), json_path)
+        console.print(f"figures written to {json_path}")
+    if plot_path is not None:
+        plot_compare(report, plot_path)
+        console.print(f"chart written to {plot_path}")
+    return report
+
+
+def memory_command(
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    console: Console | None = None,
+) -> MemoryReport:
+    """`attnlab bench --memory`: peak memory by context length with a progress bar, the
+    table, and the figures as JSON when json_path is given. quick: 256 and 512 tokens."""
+    console = console or Console()
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("peak memory", total=memory_steps(quick=quick))
+        report = run_memory(
+            device=device, dtype=dtype, quick=quick, progress=_advance(progress, task)
+        )
+    print_memory(report, console)
+    if json_path is not None:
+        write_json(report.to_dict(), json_path)
+        console.print(f"figures written to {json_path}")
+    return report
 
 
 def decode_command(
@@ -36,13 +119,18 @@ def decode_command(
     steps = 1 + len(options.get("contexts", (256, 1024, 4096))) + 3
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("decoding", total=steps)
-
-        def advance(step: str) -> None:
-            progress.update(task, advance=1, description=step)
-
-        report = run_decode(progress=advance, **options)
+        report = run_decode(progress=_advance(progress, task), **options)
     print_decode(report, console)
     if json_path is not None:
         write_json(report.to_dict(), json_path)
         console.print(f"figures written to {json_path}")
     return report
+
+
+def _advance(progress: Progress, task) -> Callable[[str], None]:
+    """A run_* progress callback: one step forward, described."""
+
+    def advance(step: str) -> None:
+        progress.update(task, advance=1, description=step)
+
+    return advance
