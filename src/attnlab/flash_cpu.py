@@ -8,7 +8,8 @@ TORCH_EXTENSIONS_DIR); where it cannot be built (no compiler, no BLAS symbols) a
 warns once and uses PyTorch's kernel instead. ATTNLAB_NO_EXTENSION=1 turns it off.
 
 The backward pass is PyTorch's own flash backward, fed this kernel's output and
-logsumexp: the same gradients, at PyTorch's speed.
+logsumexp (the same gradients), called on chunks of keys so that it too skips most of the
+work above the diagonal.
 """
 
 from __future__ import annotations
@@ -110,28 +111,51 @@ class _CausalFlash(torch.autograd.Function):
         groups = hq // hkv
         if groups > 1:  # PyTorch's backward wants one key/value head per query head
             k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # (b, hq, tk, d)
-        square = tq == tk  # PyTorch's is_causal is top-left aligned: right when square
-        attn_mask = mask if mask.numel() else None
-        if not square:
+        grad_out = grad_out.contiguous()
+        if tq == tk:
+            grads = _square_backward(grad_out, q, k, v, out, lse, mask, ctx.scale)
+        else:  # PyTorch's is_causal is top-left aligned: pass the bottom-right mask instead
             causal = _bottom_right_bias(tq, tk, q.device)  # (tq, tk)
-            attn_mask = causal if attn_mask is None else attn_mask + causal
-        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grad_q, grad_k, grad_v = flash_backward(
-            grad_out.contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            0.0,
-            square,
-            attn_mask=attn_mask,
-            scale=ctx.scale,
-        )
+            attn_mask = causal if not mask.numel() else mask + causal
+            grads = _FLASH_BACKWARD(
+                grad_out, q, k, v, out, lse, 0.0, False, attn_mask=attn_mask, scale=ctx.scale
+            )
+        grad_q, grad_k, grad_v = grads
         if groups > 1:  # sum each key/value head's gradient over its query heads
             grad_k = grad_k.view(b, hkv, groups, tk, -1).sum(2)  # (b, hkv, tk, d)
             grad_v = grad_v.view(b, hkv, groups, tk, -1).sum(2)
         return grad_q, grad_k, grad_v, None, None
+
+
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_BACKWARD_KEYS = 256  # keys per backward call (measured 9% faster than one call at 1024)
+
+
+def _square_backward(grad_out, q, k, v, out, lse, mask, scale):
+    """PyTorch's causal flash backward over chunks of keys: chunk [s, s + n) is seen only by
+    queries s onward, with PyTorch's top-left causal mask exactly right for them, so the
+    work above the diagonal is skipped in chunks (given the full output and logsumexp, each
+    chunk's gradients are exact; the query gradients add up)."""
+    tokens = q.shape[2]
+    grad_q = torch.zeros_like(q)
+    grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
+    for s in range(0, tokens, _BACKWARD_KEYS):
+        keys = slice(s, s + _BACKWARD_KEYS)
+        chunk_mask = mask[:, :, s:, keys] if mask.numel() else None
+        dq, grad_k[:, :, keys], grad_v[:, :, keys] = _FLASH_BACKWARD(
+            grad_out[:, :, s:],
+            q[:, :, s:],
+            k[:, :, keys],
+            v[:, :, keys],
+            out[:, :, s:],
+            lse[:, :, s:],
+            0.0,
+            True,
+            attn_mask=chunk_mask,
+            scale=scale,
+        )
+        grad_q[:, :, s:] += dq
+    return grad_q, grad_k, grad_v
 
 
 def _features_contiguous(t: torch.Tensor) -> torch.Tensor:
