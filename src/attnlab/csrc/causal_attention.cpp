@@ -26,6 +26,8 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const int* k, const float* alpha, const float* a, const int* lda,
                        const float* b, const int* ldb, const float* beta, float* c,
                        const int* ldc);
+// MKL only (weak: absent elsewhere): one thread inside our own parallel region.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 
 namespace {
 
@@ -182,6 +184,7 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
   const int64_t no_cut = std::numeric_limits<int32_t>::max();
 
   at::parallel_for(0, batch * heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    const int mkl_threads = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
     std::vector<float> scores(q_split * kv_split), acc(q_split * dim);
     std::vector<float> row_max(q_split), row_sum(q_split);
     for (int64_t task = begin; task < end; ++task) {
@@ -231,6 +234,7 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
         lse_data[(b * heads + h) * tq + m + r] = empty ? 0.0f : row_max[r] + std::log(row_sum[r]);
       }
     }
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_threads);
   });
   return {out, lse};
 }
