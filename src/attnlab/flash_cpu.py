@@ -34,6 +34,7 @@ def load_error() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        _put_ninja_on_path()
         cpp_extension.load(
             name="attnlab_causal_flash",
             sources=[str(_SOURCE)],
@@ -50,6 +51,18 @@ def load_error() -> str | None:
         )
         return reason
     return None
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja package (a dependency) installs it
+    beside the interpreter, which is not on PATH when a venv is used without activation."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
 def available() -> bool:
