@@ -1,0 +1,120 @@
+"""How the auditor calls someone's attention module: (batch, tokens, d_in) in, the output
+tensor out, on a private copy of the module so that the audit never changes the user's.
+
+d_in and context_length are read from the module when not given: the book's attribute
+names, its projections (W_query, qkv_proj, in_proj_weight, nn.Linear) and its mask buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Probe:
+    """A module and what it takes: inputs of width d_in, at most context_length tokens."""
+
+    module: nn.Module
+    d_in: int
+    context_length: int | None
+    dtype: torch.dtype
+    takes_qkv: bool  # forward(query, key, value), as nn.MultiheadAttention
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's output for x (the first element when it returns a tuple)."""
+        out = self.module(x, x, x) if self.takes_qkv else self.module(x)
+        if isinstance(out, tuple | list) and out:
+            out = out[0]
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"the module returned {type(out).__name__}, not a tensor")
+        return out
+
+    def copy(self) -> Probe:
+        """The same probe on a deep copy of the module (for checks that change it)."""
+        return Probe(
+            copy.deepcopy(self.module), self.d_in, self.context_length, self.dtype, self.takes_qkv
+        )
+
+    def inputs(self, batch: int, tokens: int, seed: int) -> torch.Tensor:
+        """Standard-normal (batch, tokens, d_in) input from a private generator."""
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, tokens, self.d_in, generator=generator, dtype=torch.float64)
+        return x.to(device=self.device, dtype=self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        tensor = next(iter(self.module.parameters()), None)
+        return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def make_probe(module: nn.Module, d_in: int | None, context_length: int | None) -> Probe:
+    """A Probe on a copy of `module`, with d_in and context_length found when not given."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    d_in = d_in if d_in is not None else infer_d_in(module)
+    if d_in is None:
+        raise ValueError(
+            f"could not find the input width of {type(module).__name__} (no d_in attribute, "
+            f"W_query, qkv_proj, in_proj_weight or nn.Linear): pass d_in"
+        )
+    if context_length is None:
+        context_length = infer_context_length(module)
+    floating = [p for p in module.parameters() if p.is_floating_point()]
+    dtype = floating[0].dtype if floating else torch.float32
+    return Probe(copy.deepcopy(module), d_in, context_length, dtype, _takes_qkv(module))
+
+
+def infer_d_in(module: nn.Module) -> int | None:
+    """The input width from the usual attribute names and projections."""
+    value = getattr(module, "d_in", None) or getattr(module, "embed_dim", None)
+    if isinstance(value, int):
+        return value
+    for name in ("W_query", "qkv_proj", "q_proj", "qkv", "c_attn"):
+        width = _in_width(getattr(module, name, None))
+        if width is not None:
+            return width
+    weight = getattr(module, "in_proj_weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.shape[1]
+    linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    return None if linear is None else linear.in_features
+
+
+def infer_context_length(module: nn.Module) -> int | None:
+    """context_length from an attribute, or the size of a square mask buffer."""
+    for candidate in module.modules():
+        value = getattr(candidate, "context_length", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        mask = getattr(candidate, "mask", None)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == mask.shape[1]:
+            return mask.shape[0]
+    return None
+
+
+def _in_width(layer: object) -> int | None:
+    if isinstance(layer, nn.Linear):
+        return layer.in_features
+    if isinstance(layer, nn.Parameter) and layer.dim() == 2:
+        return layer.shape[0]  # the book's SelfAttention_v1: x @ W, W is (d_in, d_out)
+    return None
+
+
+def _takes_qkv(module: nn.Module) -> bool:
+    """True for forward(query, key, value, ...) with key and value required."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(required) >= 3
