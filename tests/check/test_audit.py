@@ -1,0 +1,136 @@
+"""attnlab.check.audit on a zoo of modules: the book's correct classes, attnlab's own and
+correct modules written the way readers write them pass every property (no false alarms);
+each classic bug fails the property that catches it, with an explanation naming the cause."""
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab import MultiHeadAttention, book
+from attnlab.check import audit
+from tests.book.leaky import LeakyCausalAttention
+from tests.check import zoo
+
+
+def _explanations(report, name):
+    result = report[name]
+    return " ".join([result.observed, *result.causes]).lower()
+
+
+CORRECT = [
+    ("zoo " + name, lambda name=name: getattr(zoo, name)(**zoo.CORRECT_KWARGS[name]), True)
+    for name in zoo.CORRECT
+] + [
+    ("book CausalAttention", lambda: book.CausalAttention(8, 8, 6, 0.1), True),
+    ("book MultiHeadAttention", lambda: book.MultiHeadAttention(8, 8, 6, 0.1, 2, True), True),
+    ("book wrapper", lambda: book.MultiHeadAttentionWrapper(8, 4, 6, 0.0, 2), True),
+    ("book SelfAttention_v1", lambda: book.SelfAttention_v1(8, 4), False),
+    ("book SelfAttention_v2", lambda: book.SelfAttention_v2(8, 4, True), False),
+    ("attnlab auto", lambda: MultiHeadAttention(8, 8, 6, 0.1, 2), True),
+    ("attnlab grouped", lambda: MultiHeadAttention(8, 8, 6, 0.0, 4, num_kv_heads=2), True),
+    ("attnlab math", lambda: MultiHeadAttention(8, 8, 6, 0.0, 2, backend="math"), True),
+    ("attnlab rope", lambda: MultiHeadAttention(8, 8, 6, 0.0, 2, rope=True), True),
+    (
+        "torch MultiheadAttention",
+        lambda: nn.MultiheadAttention(8, 2, batch_first=True, dropout=0.1),
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "causal"), CORRECT, ids=[c[0] for c in CORRECT])
+def test_correct_modules_pass_every_property(name, make, causal):
+    torch.manual_seed(0)
+    report = audit(make(), causal=causal)
+    assert report.ok, {r.name: (r.observed, r.causes) for r in report.results if r.failed}
+    applicable = {r.name for r in report.results if r.status == "passed"}
+    assert {"runs", "batch_independent", "finite_gradients", "follows_to"} <= applicable
+    assert ("causal" in applicable) == causal
+
+
+def test_the_reference_property_applies_to_known_layouts():
+    torch.manual_seed(0)
+    for module in (book.MultiHeadAttention(8, 8, 6, 0.0, 2), MultiHeadAttention(8, 8, 6, 0.0, 2)):
+        assert audit(module)["reference"].status == "passed"
+    wrapper = audit(book.MultiHeadAttentionWrapper(8, 4, 6, 0.0, 2))["reference"]
+    assert wrapper.status == "passed" and "wrapper" in wrapper.observed
+    rope = audit(MultiHeadAttention(8, 8, 6, 0.0, 2, rope=True))["reference"]
+    assert rope.status == "skipped" and "rope" in rope.observed
+
+
+@pytest.mark.parametrize("name", sorted(zoo.BUGS))
+def test_each_bug_fails_the_property_that_catches_it(name):
+    kwargs, must_fail, word = zoo.BUGS[name]
+    torch.manual_seed(0)
+    report = audit(getattr(zoo, name)(**kwargs))
+    assert not report.ok
+    assert must_fail <= set(report.failed), report.failed
+    explained = " ".join(_explanations(report, prop) for prop in must_fail)
+    assert word in explained, explained
+
+
+@pytest.mark.parametrize(
+    ("name", "fits"),
+    [
+        ("MissingScale", "scale is missing"),
+        ("WrongScale", "sqrt(d_out) instead of sqrt(head_dim)"),
+        ("SoftmaxWrongDim", "softmax runs over the queries"),
+        ("ViewWithoutTranspose", "no transpose"),
+        ("NoUnderscoreMaskedFill", "causal mask is not applied"),
+    ],
+)
+def test_the_reference_names_the_bug_that_fits(name, fits):
+    kwargs = zoo.BUGS[name][0]
+    torch.manual_seed(0)
+    result = audit(getattr(zoo, name)(**kwargs))["reference"]
+    assert result.failed and "equals the reference with the bug" in result.observed
+    assert any(fits in cause for cause in result.causes), result.causes
+
+
+def test_seed_001s_class_fails_causality_and_names_masked_fill():
+    torch.manual_seed(0)
+    report = audit(LeakyCausalAttention(3, 2, 6, 0.0))
+    assert {"causal", "reference"} <= set(report.failed)
+    assert "masked_fill" in report["causal"].causes[0]
+
+
+def test_plain_attribute_is_named():
+    report = audit(zoo.PlainAttributeMask(**zoo.SINGLE))
+    assert "mask" in report["follows_to"].observed
+
+
+def test_the_users_module_is_left_unchanged():
+    torch.manual_seed(0)
+    module = book.MultiHeadAttention(8, 8, 6, 0.1, 2).train()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    audit(module)
+    assert module.training
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_module_that_never_runs_skips_the_rest():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W_query = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    report = audit(Broken())
+    assert report.failed == ["runs"]
+    assert all(r.status == "skipped" for r in report.results[1:])
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: audit("not a module"), TypeError, "module must be a torch.nn.Module"),
+        (lambda: audit(nn.Identity()), ValueError, "pass d_in"),
+        (lambda: audit(book.CausalAttention(4, 4, 6, 0.0), causal=1), TypeError, "causal"),
+    ],
+)
+def test_bad_arguments(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
