@@ -45,7 +45,8 @@ class MultiHeadAttention(nn.Module):
     only. rope rotates queries and keys by their absolute positions (RotaryEmbedding, base
     rope_base; self-attention only). window limits each query to the `window` most recent
     keys, itself included (causal only). backend picks attnlab.functional's kernel ("auto",
-    "math" or "sdpa"). device and dtype place the parameters, as for torch's own modules.
+    "math", "sdpa" or "flash"). device and dtype place the parameters, as for torch's own
+    modules.
 
     Parameters: when the keys and values are computed from inputs of width d_in, one fused
     `qkv_proj` (d_in -> d_out + 2 * kv_dim, rows in query, key, value order); otherwise
