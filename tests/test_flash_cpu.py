@@ -152,3 +152,17 @@ def test_turned_off_it_falls_back_to_pytorch():
     verdict, reason = result.stdout.splitlines()
     assert verdict.split() == ["False", "True"]
     assert "ATTNLAB_NO_EXTENSION=1" in reason
+
+
+def test_a_mask_that_requires_grad_keeps_its_gradient():
+    """The kernel gives no gradient to the mask: auto uses SDPA for a learned bias."""
+    q, k, v = _qkv(1, 2, 2, 64, 64, 8, seed=8)
+    bias = torch.zeros(1, 2, 64, 64, requires_grad=True)
+    out = attention(q, k, v, mask=bias, causal=True)
+    (grad,) = torch.autograd.grad(out.square().sum(), bias)
+    ref_bias = bias.detach().clone().requires_grad_()
+    ref = attention(q, k, v, mask=ref_bias, causal=True, backend="math")
+    (expected,) = torch.autograd.grad(ref.square().sum(), ref_bias)
+    torch.testing.assert_close(grad, expected, atol=ATOL, rtol=1e-4)
+    with pytest.raises(ValueError, match="no gradient to the mask"):
+        attention(q, k, v, mask=bias, causal=True, backend="flash")

@@ -70,7 +70,7 @@ def attend(
     """attention() for a caller that built q, k, v itself (MultiHeadAttention): the same
     result without re-checking q, k, v, scale and dropout_p, which decoding pays per token.
     The mask is still checked (it comes from the user)."""
-    backend = _choose_backend(backend, need_weights, (q, k, v), causal, dropout_p)
+    backend = _choose_backend(backend, need_weights, (q, k, v), causal, dropout_p, mask)
     allowed, bias = _split_mask(mask, q, k)
     if backend == "flash":
         return flash_cpu.causal_attention(q, k, v, _additive(allowed, bias), scale)
@@ -210,9 +210,11 @@ def _choose_backend(
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     causal: bool,
     dropout_p: float,
+    mask: torch.Tensor | None,
 ) -> str:
     backend = check_backend(backend)
     q, k, _ = qkv
+    trained_mask = isinstance(mask, torch.Tensor) and mask.requires_grad
     if need_weights and backend in ("sdpa", "flash"):
         raise ValueError(
             f"need_weights=True needs backend 'math' or 'auto': the {backend!r} backend "
@@ -220,11 +222,15 @@ def _choose_backend(
         )
     if backend == "flash":
         _check_flash(qkv, causal, dropout_p)
+        if trained_mask:
+            raise ValueError(
+                "backend 'flash' gives no gradient to the mask, which requires grad: use 'auto'"
+            )
     if backend != "auto":
         return backend
     if need_weights or _reads_cache_faster(q, k):
         return "math"
-    return "flash" if _flash_helps(qkv, causal, dropout_p) else "sdpa"
+    return "flash" if not trained_mask and _flash_helps(qkv, causal, dropout_p) else "sdpa"
 
 
 def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:
