@@ -57,7 +57,7 @@ def audit(
         properties.check_dropout_modes(probe, tokens, _SEED),
         properties.check_follows_to(probe, tokens, _SEED),
         properties.check_state_dict(probe, tokens, _SEED, factory),
-        properties.check_long_input(probe, _SEED),
+        properties.check_long_input(probe, _SEED, causal),
         check_reference(probe, tokens, _SEED, causal),
     ]
     return report
