@@ -143,3 +143,40 @@ def test_a_small_dropout_rate_is_no_false_alarm(seed):
     torch.manual_seed(seed)
     report = audit(book.CausalAttention(4, 4, 3, 0.01))
     assert report["dropout_modes"].status == "passed", report["dropout_modes"].observed
+
+
+def test_fused_layouts_get_the_reference_check():
+    torch.manual_seed(0)
+    report = audit(zoo.SdpaMultiHeadAttention(**zoo.MULTI))
+    assert report["reference"].status == "passed"
+    assert "fused" in report["reference"].observed
+
+
+class _DiagonalMasked(zoo.BookCausalAttention):
+    """The book's class with the mask built with diagonal=0: a token cannot see itself."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mask = torch.triu(torch.ones_like(self.mask), diagonal=0)
+
+
+def test_a_mask_hiding_the_diagonal_is_named():
+    torch.manual_seed(0)
+    report = audit(_DiagonalMasked(**zoo.SINGLE))
+    assert "diagonal" in " ".join(report["causal"].causes)
+
+
+def test_half_precision_is_no_false_alarm():
+    torch.manual_seed(0)
+    report = audit(book.MultiHeadAttention(8, 8, 6, 0.0, 2).to(torch.bfloat16))
+    assert report.ok, report.failed
+
+
+def test_unknown_state_skips_the_reference():
+    class WithBias(zoo.BookCausalAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.rel_bias = nn.Parameter(torch.zeros(6, 6))
+
+    result = audit(WithBias(**zoo.SINGLE))["reference"]
+    assert result.status == "skipped" and "rel_bias" in result.observed

@@ -85,15 +85,22 @@ def infer_d_in(module: nn.Module) -> int | None:
     return None if linear is None else linear.in_features
 
 
+_LENGTHS = ("context_length", "block_size", "n_positions", "max_position_embeddings")
+
+
 def infer_context_length(module: nn.Module) -> int | None:
-    """context_length from an attribute, or the size of a square mask buffer."""
+    """context_length from an attribute (the book's, nanoGPT's, GPT-2's names), or the size
+    of a square mask buffer (its last two dimensions: nanoGPT's `bias` is (1, 1, T, T))."""
     for candidate in module.modules():
-        value = getattr(candidate, "context_length", None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        mask = getattr(candidate, "mask", None)
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == mask.shape[1]:
-            return mask.shape[0]
+        for name in _LENGTHS:
+            value = getattr(candidate, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        for name in ("mask", "bias"):
+            mask = getattr(candidate, name, None)
+            is_mask = isinstance(mask, torch.Tensor) and not isinstance(mask, nn.Parameter)
+            if is_mask and mask.dim() >= 2 and mask.shape[-1] == mask.shape[-2] > 1:
+                return mask.shape[-1]
     return None
 
 

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from attnlab.check.probe import Probe
+from attnlab.check.properties import tolerances
 from attnlab.check.report import PropertyResult, failed, passed, skipped
 
 NAME, TITLE = "reference", "equals the reference computation with the same weights"
-ATOL, RTOL = 1e-4, 1e-4
 BUGS = {
     "no_scale": "the 1/sqrt(head_dim) scale is missing: divide the scores by "
     "keys.shape[-1] ** 0.5 before the softmax",
@@ -30,8 +30,16 @@ BUGS = {
     "view_no_transpose": "heads are split with view(b, num_heads, num_tokens, head_dim) and "
     "no transpose: use view(b, num_tokens, num_heads, head_dim).transpose(1, 2), and "
     "transpose back before merging",
+    "merge_no_transpose": "heads are merged back with view(b, num_tokens, d_out) and no "
+    "transpose(1, 2) first",
     "no_mask": "the causal mask is not applied (masked_fill without the trailing "
-    "underscore throws its result away)",
+    "underscore throws its result away, or SDPA without is_causal=True)",
+    "mask_diagonal": "the mask also hides the diagonal: torch.triu(..., diagonal=1), not "
+    "diagonal=0",
+    "inverted_mask": "the mask is inverted: the past is masked and the future attended "
+    "(tril instead of triu, or a boolean SDPA mask of the wrong polarity)",
+    "scale_after_softmax": "the scale is applied after the softmax instead of to the scores",
+    "qk_swapped": "the scores are keys @ queries.T instead of queries @ keys.T",
 }
 
 
@@ -63,10 +71,11 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     if out.shape != expected.shape:
         observed = f"output {tuple(out.shape)}, the reference {tuple(expected.shape)}"
         return failed(NAME, TITLE, observed, ["the heads are merged into the wrong width"])
-    if torch.allclose(out, expected, atol=ATOL, rtol=RTOL):
+    tol = tolerances(probe.dtype)
+    if _close(out, expected, tol):
         return passed(NAME, TITLE, f"equal to the reference ({what})")
     observed = f"differs from the reference ({what}) by up to {_gap(out, expected):.3g}"
-    fits = _fitting_bugs(out, x.double(), layout, causal, expected)
+    fits = _fitting_bugs(out, x.double(), layout, causal, expected, tol)
     if fits:
         return failed(NAME, TITLE, f"{observed}; it equals the reference with the bug", fits)
     causes = [
@@ -77,20 +86,26 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     return failed(NAME, TITLE, observed, causes)
 
 
-def _fitting_bugs(out, x, layout, causal, expected) -> list[str]:
+def _fitting_bugs(out, x, layout, causal, expected, tol) -> list[str]:
     """Explanations of the variants that match the module's output and differ from the
     correct reference (a variant equal to it, e.g. no transpose with one head, proves
     nothing)."""
     fits = []
     for variant, explanation in BUGS.items():
-        if variant == "no_mask" and not causal:
+        if variant in _MASK_BUGS and not causal:
             continue
         candidate = reference(x, layout, causal, variant)
-        if torch.allclose(candidate, expected, atol=ATOL, rtol=RTOL):
-            continue
-        if candidate.shape == out.shape and torch.allclose(out, candidate, atol=ATOL, rtol=RTOL):
+        if not _close(candidate, expected, tol) and _close(out, candidate, tol):
             fits.append(explanation)
     return fits
+
+
+_MASK_BUGS = ("no_mask", "mask_diagonal", "inverted_mask")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> bool:
+    atol, rtol = max(tol[0], 1e-4), max(tol[1], 1e-4)  # float32 against float64
+    return a.shape == b.shape and torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -116,17 +131,32 @@ def _attend(x: torch.Tensor, p: Projections, causal: bool, variant: str) -> torc
     groups = p.num_heads // p.num_kv_heads
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, t, hd)
     scale = {"no_scale": 1.0, "scale_d_out": d_out**-0.5}.get(variant, head_dim**-0.5)
-    scores = q @ k.transpose(-2, -1) * scale  # (b, h, t, t)
+    if variant == "qk_swapped":
+        q, k = k, q
+    scores = q @ k.transpose(-2, -1)  # (b, h, t, t)
+    if variant != "scale_after_softmax":
+        scores = scores * scale
     if causal and variant != "no_mask":
-        future = torch.ones(t, t, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(future, -torch.inf)
+        scores = scores.masked_fill(_masked(t, variant), -torch.inf)
     weights = torch.softmax(scores, dim=-2 if variant == "softmax_queries" else -1)
+    if variant == "scale_after_softmax":
+        weights = weights * scale
     out = weights.nan_to_num(0.0) @ v  # (b, h, t, hd)
-    if variant == "view_no_transpose":
+    if variant in ("view_no_transpose", "merge_no_transpose"):
         out = out.reshape(b, t, d_out)  # merged without the transpose back
     else:
         out = out.transpose(1, 2).reshape(b, t, d_out)  # (b, h, t, hd) -> (b, t, d_out)
     return out if p.out_w is None else _linear(out, p.out_w, p.out_b)
+
+
+def _masked(t: int, variant: str) -> torch.Tensor:
+    """(t, t) bool, True where the scores are masked: the future, or a bug's version."""
+    ones = torch.ones(t, t, dtype=torch.bool)
+    if variant == "mask_diagonal":
+        return ones.triu(0)
+    if variant == "inverted_mask":
+        return ones.tril(-1)
+    return ones.triu(1)
 
 
 def _heads(y: torch.Tensor, heads: int, head_dim: int, variant: str) -> torch.Tensor:
@@ -148,6 +178,15 @@ def find_layout(module: nn.Module) -> tuple[list[Projections] | None, str]:
         return _attnlab_layout(module)
     if isinstance(getattr(module, "in_proj_weight", None), torch.Tensor):
         return _torch_layout(module)
+    extra = _unknown_state(module)
+    if extra:
+        return None, (
+            f"the module has state the known layouts do not use ({', '.join(extra[:4])}): "
+            f"a positional bias or rotation the reference cannot reproduce"
+        )
+    fused = _fused_projections(module)
+    if fused is not None:
+        return [fused], f"fused query/key/value projection, {fused.num_heads} heads"
     if _book_projections(module) is not None:
         heads = _heads_of(module)
         what = f"book W_query/W_key/W_value, {heads} head{'s' if heads > 1 else ''}"
@@ -159,8 +198,58 @@ def find_layout(module: nn.Module) -> tuple[list[Projections] | None, str]:
             return layout, f"the book's wrapper, {len(layout)} single-head modules"
     return None, (
         "no known parameter layout (the book's W_query/W_key/W_value, a `heads` list of them, "
-        "PyTorch's in_proj_weight, attnlab's MultiHeadAttention)"
+        "a fused qkv/c_attn projection, PyTorch's in_proj_weight, attnlab's module)"
     )
+
+
+_KNOWN = ("W_query", "W_key", "W_value", "out_proj", "qkv", "qkv_proj", "c_attn", "c_proj")
+_MASKS = ("mask", "bias", "causal_mask")
+
+
+def _unknown_state(module: nn.Module) -> list[str]:
+    """Parameters and float buffers outside the known projections and masks."""
+    names = [n for n, _ in module.named_parameters()]
+    names += [n for n, b in module.named_buffers() if b.is_floating_point()]
+    return [
+        n
+        for n in names
+        if not n.startswith(_KNOWN)
+        and n not in _MASKS
+        and not n.startswith("heads.")
+        and n.split(".")[-1] not in _MASKS
+    ]
+
+
+def _fused_projections(module: nn.Module) -> Projections | None:
+    """nanoGPT / GPT-2 style: one (d_in -> 3 d_out) projection (nn.Linear, or a Conv1D
+    with an (in, out) weight) split into query, key, value; an optional output projection."""
+    qkv = next(
+        (getattr(module, n) for n in ("qkv", "qkv_proj", "c_attn") if hasattr(module, n)), None
+    )
+    weight = _linear_or_conv1d(qkv)
+    heads = next(
+        (getattr(module, n) for n in ("num_heads", "n_head", "n_heads") if hasattr(module, n)),
+        None,
+    )
+    if weight is None or not isinstance(heads, int) or weight[0].shape[0] % 3:
+        return None
+    wq, wk, wv = weight[0].chunk(3)
+    bq, bk, bv = (None,) * 3 if weight[1] is None else weight[1].chunk(3)
+    out = next((getattr(module, n) for n in ("out_proj", "c_proj") if hasattr(module, n)), None)
+    out_w, out_b = _linear_or_conv1d(out) or (None, None)
+    return Projections(wq, wk, wv, bq, bk, bv, heads, heads, out_w, out_b)
+
+
+def _linear_or_conv1d(layer: object) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight (out, in), bias) in float64 from an nn.Linear or a GPT-2 Conv1D."""
+    if isinstance(layer, nn.Linear):
+        return _weight(layer)
+    weight = getattr(layer, "weight", None)
+    if isinstance(layer, nn.Module) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        bias = getattr(layer, "bias", None)
+        bias = bias.detach().double() if isinstance(bias, torch.Tensor) else None
+        return weight.detach().double().T, bias  # Conv1D stores (in, out)
+    return None
 
 
 def _book_projections(module: nn.Module) -> Projections | None:
