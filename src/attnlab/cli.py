@@ -126,6 +126,9 @@ def _add_check(commands) -> None:
     check.add_argument(
         "--context-length", type=int, metavar="N", help="longest input (default: found)"
     )
+    check.add_argument(
+        "--seed", type=int, default=0, help="torch seed for the weights (default: %(default)s)"
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -133,12 +136,15 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`attnlab check`: load the class (usage errors exit 2), audit, print, 0 or 1."""
     import json
 
+    import torch
+
     from attnlab.check import audit
     from attnlab.check.loader import LoadError, load_factory
     from attnlab.check.text import print_report
 
     try:
         _, factory = load_factory(args.target, args.init)
+        torch.manual_seed(args.seed)  # the same weights, the same report, every run
         report = audit(
             factory(),
             causal=args.causal,
