@@ -16,4 +16,6 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["KVCache", "MultiHeadAttention", "__version__"]
+from attnlab.checkpoint import load, save  # after __version__, which checkpoints record
+
+__all__ = ["KVCache", "MultiHeadAttention", "__version__", "load", "save"]

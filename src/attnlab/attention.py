@@ -124,6 +124,26 @@ class MultiHeadAttention(nn.Module):
         """True when queries, keys and values come from one fused projection of width d_in."""
         return self.context_dim == self.d_in
 
+    @property
+    def config(self) -> dict:
+        """The constructor's arguments (JSON-friendly; device and dtype excluded, they
+        belong to the parameters): MultiHeadAttention(**module.config) builds a twin."""
+        return {
+            "d_in": self.d_in,
+            "d_out": self.d_out,
+            "context_length": self.context_length,
+            "dropout": self.dropout,
+            "num_heads": self.num_heads,
+            "qkv_bias": self.qkv_bias,
+            "num_kv_heads": self.num_kv_heads,
+            "causal": self.causal,
+            "context_dim": self.context_dim,
+            "rope": self.rope is not None,
+            "rope_base": self.rope.base if self.rope is not None else 10000.0,
+            "window": self.window,
+            "backend": self.backend,
+        }
+
     def extra_repr(self) -> str:
         return (
             f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}, "
