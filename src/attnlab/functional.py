@@ -235,9 +235,11 @@ def _choose_backend(
 
 def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:
     """Causal float32 attention on the CPU with more than a few queries: attnlab's kernel
-    skips the masked half that PyTorch's computes in part (when it could be built)."""
+    skips the masked half that PyTorch's computes in part (when it could be built). Not
+    under torch.compile, which traces SDPA into its own graph instead."""
     return (
         causal
+        and not torch.compiler.is_compiling()
         and dropout_p == 0.0
         and qkv[0].shape[2] > 32
         and qkv[1].shape[2] > 0

@@ -1,0 +1,83 @@
+"""torch.compile(MultiHeadAttention(...), fullgraph=True): no graph break, with and without
+a KV cache, and the same outputs (and gradients) as eager mode. Most tests trace with the
+aot_eager backend (no code generation, seconds); one compiles with inductor end to end."""
+
+import pytest
+import torch
+
+from attnlab import MultiHeadAttention
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(module, backend="aot_eager"):
+    return torch.compile(module, fullgraph=True, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(num_kv_heads=2, rope=True),
+        dict(window=5),
+        dict(causal=False, qkv_bias=True),
+    ],
+)
+def test_forward_and_backward_equal_eager(kwargs):
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 32, 64, 0.0, 4, **kwargs)
+    compiled = _compiled(module)
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    eager_out = module(x)
+    eager_grads = torch.autograd.grad(eager_out.square().sum(), (x, *module.parameters()))
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), (x, *module.parameters()))
+    torch.testing.assert_close(out, eager_out, atol=1e-5, rtol=1e-5)
+    for grad, expected in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(grad, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cross_attention_with_a_padding_mask():
+    torch.manual_seed(0)
+    module = MultiHeadAttention(16, 16, 32, 0.0, 2, context_dim=8).eval()
+    x, context = torch.randn(2, 6, 16), torch.randn(2, 9, 8)
+    keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    keep[1, ..., 5:] = False
+    with torch.no_grad():
+        expected = module(x, context, mask=keep)
+        out = _compiled(module)(x, context, mask=keep)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_kv_heads=2, rope=True), dict(window=4)])
+def test_decoding_with_a_kv_cache(kwargs):
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 32, 64, 0.0, 4, **kwargs).eval()
+    compiled = _compiled(module)
+    x = torch.randn(2, 16, 32)
+    eager_cache, compiled_cache = module.make_cache(2, 32), module.make_cache(2, 32)
+    with torch.no_grad():
+        expected = [module(x[:, :6], cache=eager_cache)]
+        outs = [compiled(x[:, :6], cache=compiled_cache)]
+        for i in range(6, 16):
+            expected.append(module(x[:, i : i + 1], cache=eager_cache))
+            outs.append(compiled(x[:, i : i + 1], cache=compiled_cache))
+    torch.testing.assert_close(torch.cat(outs, 1), torch.cat(expected, 1), atol=1e-6, rtol=1e-5)
+    assert compiled_cache.position == eager_cache.position == 16
+
+
+def test_inductor_end_to_end():
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 32, 64, 0.0, 4).eval()
+    x = torch.randn(2, 40, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _compiled(module, "inductor")(x), module(x), atol=1e-5, rtol=1e-5
+        )
