@@ -75,9 +75,10 @@ def attend(
     if backend == "flash":
         return flash_cpu.causal_attention(q, k, v, _additive(allowed, bias), scale)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
-    sdpa_is_causal = backend == "sdpa" and causal and mask is None and q.shape[2] == k.shape[2]
+    square = bool(q.shape[2] == k.shape[2])  # a plain bool under torch.export too
+    sdpa_is_causal = backend == "sdpa" and causal and mask is None and square
     # one query that is the newest token sees every key: nothing to mask
-    single_newest_query = q.shape[2] == 1 and k.shape[2] >= 1
+    single_newest_query = bool(q.shape[2] == 1 and k.shape[2] >= 1)
     if causal and not sdpa_is_causal and not single_newest_query:
         # bottom-right aligned; with tq > tk the first queries precede every key
         causal_allowed = masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
@@ -278,4 +279,5 @@ def _reads_cache_faster(q: torch.Tensor, k: torch.Tensor) -> bool:
     there the math path's matrix products stream the cache at full memory bandwidth, while
     SDPA's CPU kernel would copy it first (measured: about 2x faster at 1 query x 4096
     keys, and no slower up to 32 queries)."""
-    return q.device.type == "cpu" and q.shape[2] <= 32 and k.stride(-2) == 1 < k.shape[-1]
+    tokens_last = k.stride(-2) == 1 < k.shape[-1]  # first: no shape guard under compile
+    return tokens_last and q.device.type == "cpu" and q.shape[2] <= 32

@@ -34,8 +34,11 @@ def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 
 def _blocks_help(x: torch.Tensor, layer: nn.Module) -> bool:
-    """True for a plain nn.Linear without hooks, on the CPU, with few rows."""
+    """True for a plain nn.Linear without hooks, on the CPU, with few rows, in eager mode
+    (compilers fuse the projection themselves, and the row count must not become a guard)."""
     if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+        return False
+    if torch.compiler.is_compiling():
         return False
     weight = layer.weight
     return (

@@ -205,3 +205,6 @@ def _batch_keys(name: str, mask: object) -> torch.Tensor:
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
     return masks.to_additive(mask) if mask.dtype == torch.bool else mask
+
+
+from attnlab.interop.onnx import export_onnx as export_onnx  # noqa: E402 - onnx loads on use
