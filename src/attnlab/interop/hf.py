@@ -47,8 +47,8 @@ def attention_forward(
     """transformers' attention signature on attnlab.functional.attention. A mask from
     transformers already holds the causal pattern; without one, a causal layer is causal
     over its keys (bottom-right, as the queries are the newest tokens)."""
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError("attnlab's attention does not take softcap or sliding_window kwargs")
+    if kwargs.get("softcap") is not None:  # a sliding_window kwarg is already in the mask
+        raise ValueError("attnlab's attention does not support softcap (Gemma-2 style)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     need_weights = bool(kwargs.get("output_attentions", False)) or _attentions_requested()
