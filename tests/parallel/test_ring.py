@@ -104,3 +104,23 @@ def _bad_inputs(rank, world):
 
 def test_bad_input_is_a_value_error_on_every_rank():
     _spawn(_bad_inputs, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_explicit_block_path_equals_the_fused_one(monkeypatch, causal):
+    """Blocks off the CPU (or in half precision) use an explicit product: same results."""
+    from attnlab.parallel import ring
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 8, generator=g)
+    k, v = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
+    grad_out = torch.randn(2, 4, 12, 8, generator=g)
+    fused_out, fused_lse = ring._block(q, k, v, causal, 0.35)
+    fused_grads = ring._block_backward(grad_out, q, k, v, fused_out, fused_lse, causal, 0.35)
+    monkeypatch.setattr(ring, "_fused", lambda q: False)
+    out, lse = ring._block(q, k, v, causal, 0.35)
+    grads = ring._block_backward(grad_out, q, k, v, out, lse, causal, 0.35)
+    torch.testing.assert_close(out, fused_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, fused_lse, atol=1e-5, rtol=1e-5)
+    for grad, expected in zip(grads, fused_grads, strict=True):
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-5)

@@ -164,9 +164,22 @@ class _Ring:
         self.tensors, self.incoming, self.requests = self.incoming, None, []
 
 
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """PyTorch's CPU flash kernel, which returns the logsumexp, serves this block: no
+    (n x n) scores are held (elsewhere, the explicit product below)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
 def _block(q, k, v, causal: bool, scale: float):
     """(out float32 (b, hq, n, d), logsumexp float32 (b, hq, n)) of q against one block."""
     k, v = _expand_heads(q, k), _expand_heads(q, v)
+    if _fused(q):  # square blocks: PyTorch's top-left causal mask is the diagonal one
+        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse.float()
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (b, hq, n, n)
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
@@ -179,6 +192,12 @@ def _block(q, k, v, causal: bool, scale: float):
 def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     """Gradients of one block's part, from the merged output and logsumexp: exact for it."""
     groups = q.shape[1] // k.shape[1]
+    if _fused(q):
+        k_full, v_full = _expand_heads(q, k), _expand_heads(q, v)
+        dq, dk, dv = _CPU_FLASH_BACKWARD(
+            grad_out.contiguous(), q, k_full, v_full, out.to(q.dtype), lse, 0.0, causal, scale=scale
+        )
+        return dq.float(), *_sum_groups(dk.float(), dv.float(), groups)
     k_full, v_full = _expand_heads(q, k).float(), _expand_heads(q, v).float()
     scores = (q.float() @ k_full.transpose(-2, -1)) * scale
     if causal:
@@ -192,11 +211,16 @@ def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     ds = p * (dp - delta) * scale
     dq = ds @ k_full
     dk = ds.transpose(-2, -1) @ q.float()
-    if groups > 1:  # back to the key/value heads
-        b, hq, n, d = dk.shape
-        dk = dk.view(b, hq // groups, groups, n, d).sum(2)
-        dv = dv.view(b, hq // groups, groups, n, d).sum(2)
-    return dq, dk, dv
+    return dq, *_sum_groups(dk, dv, groups)
+
+
+def _sum_groups(dk: torch.Tensor, dv: torch.Tensor, groups: int) -> tuple:
+    """Gradients of repeated key/value heads summed back onto each key/value head."""
+    if groups == 1:
+        return dk, dv
+    b, hq, n, d = dk.shape
+    dk = dk.view(b, hq // groups, groups, n, d).sum(2)  # (b, hkv, n, d)
+    return dk, dv.view(b, hq // groups, groups, n, d).sum(2)
 
 
 def _expand_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
