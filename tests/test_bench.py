@@ -173,3 +173,32 @@ def test_bad_contexts_are_a_usage_error(contexts, capsys):
         cli.main(["bench", "--decode", "--contexts", contexts])
     assert exit_info.value.code == 2
     assert "expected integers >= 2" in capsys.readouterr().err
+
+
+def test_parallel_quick_end_to_end(tmp_path, capsys):
+    out = tmp_path / "parallel.json"
+    assert cli.main(["bench", "--parallel", "2", "--quick", "--json", str(out)]) == 0
+    assert "Ring attention" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert [(r["world"], r["rank"]) for r in report["rows"]] == [(1, 0), (2, 0), (2, 1)]
+    for row in report["rows"]:
+        chunk = 12 * (128 // row["world"]) * 64 * 4  # bytes of one (1, 12, n, 64) float32
+        assert row["input_bytes"] == 3 * chunk
+        assert row["sent_bytes"] == (row["world"] - 1) * 2 * chunk
+        assert row["total_bytes"] == row["input_bytes"] + row["call_peak_bytes"]
+    worst = max(r["total_bytes"] for r in report["rows"] if r["world"] == 2)
+    assert report["memory_ratio"] == pytest.approx(worst / report["rows"][0]["total_bytes"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--parallel", "1"], "at least 2 processes"),
+        (["--parallel", "3", "--tokens", "10"], "divide"),
+    ],
+)
+def test_parallel_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

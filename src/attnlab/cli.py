@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="forward peak memory from 1k to 32k tokens, per implementation",
     )
+    mode.add_argument(
+        "--parallel",
+        type=_positive_int,
+        metavar="N",
+        help="ring attention over N CPU processes against one: per-rank memory, bytes sent",
+    )
     bench.add_argument(
         "--contexts",
         type=_positive_ints,
@@ -74,7 +80,7 @@ _BENCH_OPTIONS = {
     "flex": ("compare",),
     "device": ("compare", "memory"),
     "dtype": ("compare", "memory"),
-    "tokens": ("compare",),
+    "tokens": ("compare", "parallel"),
     "batch": ("compare",),
     "plot": ("compare",),
 }
@@ -183,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`attnlab bench`: check the options against the mode, then run it."""
     mode = "decode" if args.decode else "memory" if args.memory else "compare"
+    if args.parallel is not None:
+        mode = "parallel"
+        if args.parallel < 2:
+            parser.error(f"bench: --parallel needs at least 2 processes, got {args.parallel}")
     for option, modes in _BENCH_OPTIONS.items():
         if getattr(args, option) not in (None, False) and mode not in modes:
             allowed = " and ".join("the comparison" if m == "compare" else f"--{m}" for m in modes)
@@ -205,6 +215,12 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if mode == "decode":
         bench.decode_command(args.contexts, quick=args.quick, json_path=args.json)
+        return 0
+    if mode == "parallel":
+        tokens = args.tokens or (64 * args.parallel if args.quick else 16384)
+        if tokens % args.parallel:
+            parser.error(f"bench: --tokens {tokens} must divide by --parallel {args.parallel}")
+        bench.parallel_command(args.parallel, tokens=tokens, json_path=args.json)
         return 0
     options = {
         "device": args.device or "cpu",

@@ -20,6 +20,7 @@ from rich.progress import Progress
 from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
 from attnlab.bench.memory import MemoryReport, memory_steps, run_memory
+from attnlab.bench.parallel import ParallelReport
 from attnlab.bench.report import (
     plot_compare,
     print_compare,
@@ -134,3 +135,24 @@ def _advance(progress: Progress, task) -> Callable[[str], None]:
         progress.update(task, advance=1, description=step)
 
     return advance
+
+
+def parallel_command(
+    world: int,
+    *,
+    tokens: int,
+    json_path: str | Path | None = None,
+    console: Console | None = None,
+) -> ParallelReport:
+    """`attnlab bench --parallel N`: one process, then N, print the table, write JSON."""
+    from attnlab.bench.parallel import run_parallel
+    from attnlab.bench.report import print_parallel
+
+    console = console or Console()
+    with console.status(f"ring attention, {tokens} tokens, 1 then {world} processes"):
+        report = run_parallel(world, tokens=tokens)
+    print_parallel(report, console)
+    if json_path is not None:
+        write_json(report.to_dict(), json_path)
+        console.print(f"figures written to {json_path}")
+    return report

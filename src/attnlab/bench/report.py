@@ -239,3 +239,37 @@ def _ms(value: float) -> str:
 
 def write_json(data: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def print_parallel(report, console: Console | None = None) -> None:
+    """One row per process of each run, and the memory ratio the issue asks about."""
+    console = console or Console()
+    table = Table(
+        title=f"Ring attention, causal, {report.tokens} tokens, {report.heads} heads x "
+        f"{report.head_dim}, forward: one process against {report.world}"
+    )
+    for column in (
+        "processes",
+        "rank",
+        "inputs MiB",
+        "call peak MiB",
+        "total MiB",
+        "sent MiB",
+        "s",
+    ):
+        table.add_column(column, justify="right")
+    for row in report.rows:
+        table.add_row(
+            str(row.world),
+            str(row.rank),
+            f"{row.input_bytes / 2**20:.1f}",
+            f"{row.call_peak_bytes / 2**20:.1f}",
+            f"{row.total_bytes / 2**20:.1f}",
+            f"{row.sent_bytes / 2**20:.1f}",
+            f"{row.seconds:.2f}",
+        )
+    console.print(table)
+    console.print(
+        f"largest rank's memory at {report.world} processes / one process's: "
+        f"{report.memory_ratio:.2f}"
+    )

@@ -229,11 +229,11 @@ def _expand_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Combine two softmax partial results by their log-sum-exp."""
+    """Combine two softmax partial results by their log-sum-exp, in place (both are this
+    function's own tensors: no extra chunk-sized temporaries)."""
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(
-        block_lse - new_lse
-    ).unsqueeze(-1)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
+    out.add_(block_out.mul_(torch.exp(block_lse - new_lse).unsqueeze(-1)))
     return out, new_lse
