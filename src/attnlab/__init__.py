@@ -3,7 +3,9 @@
 `attnlab.book` holds the chapter's classes, faithful to the seed documents; they are the
 reference oracles the rest of the package is checked against. `MultiHeadAttention` is the
 production module, `attnlab.functional.attention` the kernel under it, `attnlab.masks` the
-masks both take, and `attnlab.interop` the conversions to and from PyTorch's and the book's.
+masks both take, `attnlab.save`/`attnlab.load` its safetensors checkpoints, `attnlab.interop`
+the conversions (PyTorch, the book, Hugging Face, ONNX), `attnlab.check` the auditor for
+anyone's attention module and `attnlab.parallel` attention across processes.
 """
 
 from importlib.metadata import PackageNotFoundError, version
