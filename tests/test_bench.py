@@ -147,7 +147,7 @@ def test_bench_modes_exclude_each_other(capsys):
         (["--plot", "no/such/folder/chart.png"], "does not exist"),
         (["--json", "no/such/folder/f.json"], "does not exist"),
         (["--memory", "--plot", "chart.png"], "--plot applies to the comparison only"),
-        (["--memory", "--tokens", "8"], "--tokens applies to the comparison only"),
+        (["--memory", "--tokens", "8"], "--tokens applies to the comparison and --parallel only"),
         (["--decode", "--dtype", "float16"], "--dtype applies to the comparison and --memory"),
         (["--contexts", "8,16"], "--contexts applies to --decode only"),
     ],
