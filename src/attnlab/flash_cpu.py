@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from attnlab import masks
+
 _SOURCE = Path(__file__).with_name("csrc") / "causal_attention.cpp"
 _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT = 128, 512, 32  # rows, keys, diagonal rows per tile
 
@@ -128,7 +130,7 @@ class _CausalFlash(torch.autograd.Function):
         if tq == tk:
             grads = _square_backward(grad_out, q, k, v, out, lse, mask, ctx.scale)
         else:  # PyTorch's is_causal is top-left aligned: pass the bottom-right mask instead
-            causal = _bottom_right_bias(tq, tk, q.device)  # (tq, tk)
+            causal = masks.to_additive(masks.causal_mask(tq, tk, device=q.device))  # (tq, tk)
             attn_mask = causal if not mask.numel() else mask + causal
             grads = _FLASH_BACKWARD(
                 grad_out, q, k, v, out, lse, 0.0, False, attn_mask=attn_mask, scale=ctx.scale
@@ -179,11 +181,3 @@ def _broadcast_4d(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch
     """The bias as a float32 (b, hq, tq, tk) view (broadcast dimensions have stride 0)."""
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return bias.to(torch.float32).expand(shape)
-
-
-def _bottom_right_bias(tq: int, tk: int, device: torch.device) -> torch.Tensor:
-    """(tq, tk) additive causal mask: 0 where query i may see key j <= i + tk - tq."""
-    rows = torch.arange(tq, device=device).unsqueeze(1)
-    cols = torch.arange(tk, device=device)
-    allowed = cols <= rows + (tk - tq)
-    return torch.zeros(tq, tk, device=device).masked_fill(~allowed, -torch.inf)

@@ -4,7 +4,6 @@ outputs and gradients equal to single-process attention on the whole sequence (f
 rank, never a hang. Each spawn is bounded in time."""
 
 import os
-import socket
 import traceback
 
 import pytest
@@ -12,22 +11,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from attnlab.bench.parallel import free_loopback_port
 from attnlab.functional import attention
 from attnlab.parallel import ring_attention, shard_sequence
 
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker, world: int, *args) -> None:
     """Run worker(rank, world, *args) on `world` gloo processes; fail on any error or
     when they take longer than TIMEOUT_S."""
-    port = _free_port()
+    port = free_loopback_port()
     context = mp.spawn(_entry, args=(world, port, worker, args), nprocs=world, join=False)
     for _ in range(TIMEOUT_S):
         if context.join(timeout=1):

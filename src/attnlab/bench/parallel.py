@@ -80,7 +80,7 @@ def run_parallel(
 
 def _spawn(world: int, tokens: int, heads: int, head_dim: int) -> list[RankRow]:
     queue = mp.get_context("spawn").SimpleQueue()
-    port = _free_port()
+    port = free_loopback_port()
     mp.spawn(_rank, args=(world, port, tokens, heads, head_dim, queue), nprocs=world, join=True)
     rows = [queue.get() for _ in range(world)]
     return sorted((RankRow(**row) for row in rows), key=lambda r: r.rank)
@@ -116,7 +116,8 @@ def _rank(rank, world, port, tokens, heads, head_dim, queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

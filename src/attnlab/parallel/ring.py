@@ -180,10 +180,7 @@ def _block(q, k, v, causal: bool, scale: float):
     if _fused(q):  # square blocks: PyTorch's top-left causal mask is the diagonal one
         out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (b, hq, n, n)
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, -torch.inf)
+    scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)  # (b, hq, n)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
     return out, lse
@@ -199,10 +196,7 @@ def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
         )
         return dq.float(), *_sum_groups(dk.float(), dv.float(), groups)
     k_full, v_full = _expand_heads(q, k).float(), _expand_heads(q, v).float()
-    scores = (q.float() @ k_full.transpose(-2, -1)) * scale
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, -torch.inf)
+    scores = _scores(q, k_full, causal, scale)
     p = torch.exp(scores - lse.unsqueeze(-1))  # (b, hq, n, n): this block's weights
     g = grad_out.float()
     dv = p.transpose(-2, -1) @ g  # (b, hq, n, d)
@@ -221,6 +215,16 @@ def _sum_groups(dk: torch.Tensor, dv: torch.Tensor, groups: int) -> tuple:
     b, hq, n, d = dk.shape
     dk = dk.view(b, hq // groups, groups, n, d).sum(2)  # (b, hkv, n, d)
     return dk, dv.view(b, hq // groups, groups, n, d).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled float32 scores (b, hq, n, n) of q against a block's expanded keys; a diagonal
+    block masks its future."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, -torch.inf)
+    return scores
 
 
 def _expand_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
