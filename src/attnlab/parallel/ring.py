@@ -1,38 +1,33 @@
-"""Ring (context-parallel) attention over torch.distributed: each rank holds one contiguous
-chunk of the sequence; keys and values travel around the ring with point-to-point ops, the
-next transfer overlapping the current block's compute; partial results merge by
-log-sum-exp. Works on gloo (CPU) and nccl (CUDA) process groups.
+"""Ring (context-parallel) attention over torch.distributed: each rank holds part of the
+sequence (a layout from attnlab.parallel.layout); keys and values travel around the ring
+with point-to-point ops, the next transfer overlapping the current block's compute; partial
+results merge by log-sum-exp. Works on gloo (CPU) and nccl (CUDA) process groups.
 
-Layout: rank r passes q, k, v of shape (batch, heads, tokens / world, head_dim) holding
-tokens [r * n, (r + 1) * n) of the sequence, n = tokens / world (`shard_sequence` cuts a
-full tensor that way). With causal=True, the blocks of later ranks are fully masked for
-rank r and skipped (no load balancing: rank world-1 does the most work).
+Shapes: q (b, hq, n, d), k and v (b, hkv, n, d) per rank, n = tokens / world; hkv divides
+hq (grouped-query heads, each key/value head serving hq / hkv query heads).
 
-Backward (a custom autograd function) passes keys, values and their gradient accumulators
-around the ring once more; each rank adds its contribution for the block it holds, so the
-accumulated gradients arrive back at their owner after a full turn.
+Memory: the ring runs once per key/value head (with its query heads), so what travels and
+what is held beside the inputs is one head's keys and values, twice (the block being
+computed and the one in flight): 2/hkv of the local keys and values, not twice all of them.
+
+Backward (a custom autograd function): keys and values go round again, one transfer ahead of
+the compute as in the forward, and float32 gradient accumulators follow them on a ring of
+their own; each rank adds its part for the block it holds, so after a full turn every
+accumulator is back at its owner.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from attnlab.parallel.layout import LAYOUTS, Layout, block_for, check_layout, pieces_per_rank
 
-def shard_sequence(
-    x: torch.Tensor, dim: int = 2, *, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """This rank's contiguous chunk of `x` along `dim` (a clear ValueError, on every rank,
-    when the length does not divide by the world size)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    length = x.shape[dim]
-    if length % world != 0:
-        raise ValueError(
-            f"sequence length {length} (dim {dim}) is not divisible by the world size {world}"
-        )
-    return x.chunk(world, dim=dim)[rank].contiguous()
+Backend = Literal["auto", "attnlab", "torch"]
+BACKENDS: tuple[str, ...] = ("auto", "attnlab", "torch")
 
 
 def ring_attention(
@@ -41,24 +36,60 @@ def ring_attention(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    layout: Layout = "contiguous",
     group: dist.ProcessGroup | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
-    """This rank's chunk of softmax(q k^T / sqrt(d)) v over the whole sequence; q is
-    (b, hq, n, d) and k, v are (b, hkv, n, d) with hkv dividing hq (grouped-query).
-    Every rank must call it with chunks of one shape; a mismatch is a ValueError on every
-    rank (the shapes are compared with a collective first, so no rank is left waiting)."""
-    _check_same_everywhere(q, k, v, group)
-    return _RingAttention.apply(q, k, v, causal, group)
+    """This rank's part of softmax(q k^T / sqrt(d)) v over the whole sequence.
+
+    Every rank passes its part of the sequence in `layout` (see attnlab.parallel.layout;
+    `shard_sequence` cuts a whole tensor that way): q is (b, hq, n, d), k and v are
+    (b, hkv, n, d) with hkv dividing hq. "zigzag" balances causal work across ranks and
+    needs an even n. Chunks must have one shape on every rank; a mismatch is a ValueError on
+    every rank (shapes are compared with a collective first, so no rank is left waiting).
+
+    backend: "attnlab" is the ring of this module (any device and dtype, grouped-query
+    heads, memory of one key/value head in flight); "torch" is the ring engine behind
+    PyTorch's context_parallel (flash kernels, equal query and key/value heads); "auto"
+    takes "torch" on CUDA where its flash kernel applies and "attnlab" everywhere else."""
+    check_layout(layout)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_same_everywhere(q, k, v, causal, layout, group)
+    if backend == "auto":
+        backend = "torch" if torch_engine_applies(q, k) else "attnlab"
+    if backend == "torch":
+        from attnlab.parallel.torch_ring import torch_ring_attention
+
+        return torch_ring_attention(q, k, v, causal=causal, layout=layout, group=group)
+    return _RingAttention.apply(q, k, v, causal, layout, group)
 
 
-def _check_same_everywhere(q, k, v, group) -> None:
-    """All-gather each rank's shapes (-1 for a malformed input) and raise on all of them."""
-    mine = [*_shape4(q), *_shape4(k), *_shape4(v)]
+def torch_engine_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether "auto" hands these chunks to PyTorch's context-parallel engine: CUDA, half
+    precision, equal query and key/value heads, a head size its flash kernel takes."""
+    head_dim = q.shape[-1]
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[1] == k.shape[1]
+        and head_dim <= 256
+        and head_dim % 8 == 0
+    )
+
+
+def _check_same_everywhere(q, k, v, causal: bool, layout: Layout, group) -> None:
+    """All-gather each rank's shapes (-1 for a malformed input) and settings, and raise the
+    same ValueError on every rank when they are malformed or differ."""
+    mine = [*_shape4(q), *_shape4(k), *_shape4(v), LAYOUTS.index(layout), int(causal)]
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.long, device=device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
-    shapes = [tuple(g.tolist()) for g in gathered]
+    shapes = [tuple(g.tolist()[:12]) for g in gathered]
+    settings = [tuple(g.tolist()[12:]) for g in gathered]
     if any(-1 in s for s in shapes):
         bad = [rank for rank, s in enumerate(shapes) if -1 in s]
         raise ValueError(
@@ -67,11 +98,18 @@ def _check_same_everywhere(q, k, v, group) -> None:
         )
     if len(set(shapes)) > 1:
         raise ValueError(f"q, k, v chunk shapes differ across ranks: {shapes}")
+    if len(set(settings)) > 1:
+        named = [(LAYOUTS[layout_id], bool(c)) for layout_id, c in settings]
+        raise ValueError(f"(layout, causal) differ across ranks: {named}")
     b, hq, n, d, kb, hkv, kn, kd = shapes[0][:8]
     if (kb, kn, kd) != (b, n, d) or shapes[0][4:8] != shapes[0][8:12] or hq % hkv:
         raise ValueError(
             f"q {shapes[0][:4]}, k {shapes[0][4:8]}, v {shapes[0][8:12]}: batch, tokens and "
             f"head_dim must agree and the key/value heads must divide the query heads"
+        )
+    if n % pieces_per_rank(layout):
+        raise ValueError(
+            f"the {layout} layout holds two pieces per rank: local tokens ({n}) must be even"
         )
 
 
@@ -79,59 +117,124 @@ def _shape4(t) -> list[int]:
     return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
 
 
+def _head_groups(q_heads: int, kv_heads: int):
+    """(query heads, key/value head) slices: each key/value head with the queries it serves."""
+    share = q_heads // kv_heads
+    for head in range(kv_heads):
+        yield slice(head * share, (head + 1) * share), slice(head, head + 1)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out = lse = None
-        ring = _Ring(group, (k, v))
-        for step in range(world):
-            k_block, v_block = ring.current()
-            last = step == world - 1
-            if not last:
-                ring.start_next()  # the next block travels while this one is computed
-            source = (rank - step) % world
-            if not (causal and source > rank):  # a later chunk is all future: skip it
-                diagonal = causal and source == rank
-                block_out, block_lse = _block(q, k_block, v_block, diagonal, scale)
-                out, lse = _merge(out, lse, block_out, block_lse)
-            if not last:
-                ring.finish()
+    def forward(ctx, q, k, v, causal, layout, group):
+        plan = _Plan(group, q.shape[2], causal, layout, 1.0 / math.sqrt(q.shape[-1]))
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # (b, hq, n)
+        for q_heads, kv_heads in _head_groups(q.shape[1], k.shape[1]):
+            kv = (k[:, kv_heads], v[:, kv_heads])
+            _ring_forward(plan, q[:, q_heads], *kv, out[:, q_heads], lse[:, q_heads])
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.group, ctx.scale = causal, group, scale
+        ctx.plan = plan
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         grad_q = torch.zeros_like(q, dtype=torch.float32)
-        # keys, values and their gradient accumulators go round together
-        zeros = [torch.zeros_like(t, dtype=torch.float32) for t in (k, v)]
-        ring = _Ring(ctx.group, (k, v, *zeros))
-        for step in range(world):
-            k_block, v_block, dk, dv = ring.current()
-            source = (rank - step) % world
-            if not (ctx.causal and source > rank):
-                diagonal = ctx.causal and source == rank
-                dq_part, dk_part, dv_part = _block_backward(
-                    grad_out, q, k_block, v_block, out, lse, diagonal, ctx.scale
-                )
-                grad_q += dq_part
-                dk, dv = dk + dk_part, dv + dv_part
-            ring.replace((k_block, v_block, dk, dv))
-            ring.start_next()
+        grad_k = torch.empty_like(k, dtype=torch.float32)
+        grad_v = torch.empty_like(v, dtype=torch.float32)
+        for q_heads, kv_heads in _head_groups(q.shape[1], k.shape[1]):
+            grad_k[:, kv_heads], grad_v[:, kv_heads] = _ring_backward(
+                ctx.plan,
+                grad_out[:, q_heads],
+                q[:, q_heads],
+                k[:, kv_heads],
+                v[:, kv_heads],
+                out[:, q_heads],
+                lse[:, q_heads],
+                grad_q[:, q_heads],
+            )
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+
+
+class _Plan:
+    """The ring's fixed facts for one call: who this rank is and what it computes."""
+
+    def __init__(self, group, tokens: int, causal: bool, layout: Layout, scale: float) -> None:
+        self.group, self.scale = group, scale
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.tokens, self.causal, self.layout = tokens, causal, layout
+
+    def block(self, step: int):
+        """The block computed at `step`, against the chunk of rank (rank - step), or None."""
+        source = (self.rank - step) % self.world
+        return block_for(self.rank, source, self.tokens, causal=self.causal, layout=self.layout)
+
+
+def _ring_forward(plan: _Plan, q, k, v, out, lse) -> None:
+    """One key/value head's ring: fills `out` (b, g, n, d) and `lse` (b, g, n) in place."""
+    ring = _Ring(plan.group, (k, v), tag=0)
+    for step in range(plan.world):
+        k_block, v_block = ring.current()
+        if step < plan.world - 1:
+            ring.start_next()  # the next block travels while this one is computed
+        block = plan.block(step)
+        if block is not None:
+            rows, cols = block.rows, block.cols
+            part = _block(q[:, :, rows], k_block[:, :, cols], v_block[:, :, cols], block, plan)
+            if step == 0:  # the rank's own block: every row, never skipped
+                out.copy_(part[0])
+                lse.copy_(part[1])
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], *part)
+        if step < plan.world - 1:
             ring.finish()
-        _, _, grad_k, grad_v = ring.current()  # after a full turn: this rank's own block
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+def _ring_backward(plan: _Plan, grad_out, q, k, v, out, lse, grad_q):
+    """One key/value head's backward ring: adds into `grad_q` in place and returns this
+    rank's (grad_k, grad_v) for the head, float32."""
+    kv_ring = _Ring(plan.group, (k, v), tag=0)
+    accumulators = [torch.zeros_like(t, dtype=torch.float32) for t in (k, v)]
+    grad_ring = _Ring(plan.group, accumulators, tag=1)
+    for step in range(plan.world):
+        k_block, v_block = kv_ring.current()
+        if step < plan.world - 1:
+            kv_ring.start_next()
+        block = plan.block(step)
+        parts = None
+        if block is not None:
+            rows, cols = block.rows, block.cols
+            parts = _block_backward(
+                grad_out[:, :, rows],
+                q[:, :, rows],
+                k_block[:, :, cols],
+                v_block[:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                block,
+                plan,
+            )
+        if step > 0:
+            grad_ring.finish()  # this block's accumulators, from the previous rank
+        if parts is not None:
+            dk, dv = grad_ring.current()
+            grad_q[:, :, rows] += parts[0]
+            dk[:, :, cols] += parts[1]
+            dv[:, :, cols] += parts[2]
+        grad_ring.start_next()  # on to the next rank; the last turn brings ours home
+        if step < plan.world - 1:
+            kv_ring.finish()
+    grad_ring.finish()
+    return grad_ring.current()
 
 
 class _Ring:
-    """Tensors passed to the next rank and received from the previous one, asynchronously."""
+    """Tensors passed to the next rank and received from the previous one, asynchronously.
+    `tag` keeps two rings on one group apart (gloo matches messages by tag)."""
 
-    def __init__(self, group, tensors) -> None:
-        self.group = group
+    def __init__(self, group, tensors, *, tag: int) -> None:
+        self.group, self.tag = group, tag
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.tensors = tuple(t.contiguous() for t in tensors)
         self.incoming = None
@@ -139,9 +242,6 @@ class _Ring:
 
     def current(self):
         return self.tensors
-
-    def replace(self, tensors) -> None:
-        self.tensors = tuple(t.contiguous() for t in tensors)
 
     def _global(self, rank: int) -> int:
         rank %= self.world
@@ -152,8 +252,9 @@ class _Ring:
             return
         to_rank, from_rank = self._global(self.rank + 1), self._global(self.rank - 1)
         self.incoming = tuple(torch.empty_like(t) for t in self.tensors)
-        operations = [dist.P2POp(dist.isend, t, to_rank, self.group) for t in self.tensors]
-        operations += [dist.P2POp(dist.irecv, t, from_rank, self.group) for t in self.incoming]
+        send, recv = dist.isend, dist.irecv
+        operations = [dist.P2POp(send, t, to_rank, self.group, self.tag) for t in self.tensors]
+        operations += [dist.P2POp(recv, t, from_rank, self.group, self.tag) for t in self.incoming]
         self.requests = dist.batch_isend_irecv(operations)
 
     def finish(self) -> None:
@@ -174,52 +275,60 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
 
 
-def _block(q, k, v, causal: bool, scale: float):
-    """(out float32 (b, hq, n, d), logsumexp float32 (b, hq, n)) of q against one block."""
+def _block(q, k, v, block, plan: _Plan):
+    """(out float32 (b, g, rows, d), logsumexp float32 (b, g, rows)) of q against one block.
+    A causal block is square (the rank's own), so the top-left mask is the diagonal one."""
     k, v = _expand_heads(q, k), _expand_heads(q, v)
-    if _fused(q):  # square blocks: PyTorch's top-left causal mask is the diagonal one
-        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
+    if _fused(q):
+        out, lse = _CPU_FLASH(q, k, v, 0.0, block.causal, scale=plan.scale)
         return out.float(), lse.float()
-    scores = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)  # (b, hq, n)
+    scores = _scores(q, k, block.causal, plan.scale)
+    lse = torch.logsumexp(scores, dim=-1)  # (b, g, rows)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
     return out, lse
 
 
-def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+def _block_backward(grad_out, q, k, v, out, lse, block, plan: _Plan):
     """Gradients of one block's part, from the merged output and logsumexp: exact for it."""
     groups = q.shape[1] // k.shape[1]
+    k_full, v_full = _expand_heads(q, k), _expand_heads(q, v)
     if _fused(q):
-        k_full, v_full = _expand_heads(q, k), _expand_heads(q, v)
         dq, dk, dv = _CPU_FLASH_BACKWARD(
-            grad_out.contiguous(), q, k_full, v_full, out.to(q.dtype), lse, 0.0, causal, scale=scale
+            grad_out.contiguous(),
+            q,
+            k_full,
+            v_full,
+            out.to(q.dtype),
+            lse.contiguous(),
+            0.0,
+            block.causal,
+            scale=plan.scale,
         )
-        return dq.float(), *_sum_groups(dk.float(), dv.float(), groups)
-    k_full, v_full = _expand_heads(q, k).float(), _expand_heads(q, v).float()
-    scores = _scores(q, k_full, causal, scale)
-    p = torch.exp(scores - lse.unsqueeze(-1))  # (b, hq, n, n): this block's weights
+        return dq.float(), _sum_groups(dk.float(), groups), _sum_groups(dv.float(), groups)
+    k_full, v_full = k_full.float(), v_full.float()
+    scores = _scores(q, k_full, block.causal, plan.scale)
+    p = torch.exp(scores - lse.unsqueeze(-1))  # (b, g, rows, cols): this block's weights
     g = grad_out.float()
-    dv = p.transpose(-2, -1) @ g  # (b, hq, n, d)
+    dv = p.transpose(-2, -1) @ g  # (b, g, cols, d)
     dp = g @ v_full.transpose(-2, -1)
-    delta = (g * out).sum(-1, keepdim=True)  # (b, hq, n, 1)
-    ds = p * (dp - delta) * scale
+    delta = (g * out).sum(-1, keepdim=True)  # (b, g, rows, 1)
+    ds = p * (dp - delta) * plan.scale
     dq = ds @ k_full
     dk = ds.transpose(-2, -1) @ q.float()
-    return dq, *_sum_groups(dk, dv, groups)
+    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 
-def _sum_groups(dk: torch.Tensor, dv: torch.Tensor, groups: int) -> tuple:
-    """Gradients of repeated key/value heads summed back onto each key/value head."""
+def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Gradient of key/value heads repeated `groups` times, summed back onto each head."""
     if groups == 1:
-        return dk, dv
-    b, hq, n, d = dk.shape
-    dk = dk.view(b, hq // groups, groups, n, d).sum(2)  # (b, hkv, n, d)
-    return dk, dv.view(b, hq // groups, groups, n, d).sum(2)
+        return grad
+    b, hq, n, d = grad.shape
+    return grad.view(b, hq // groups, groups, n, d).sum(2)  # (b, hkv, n, d)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """Scaled float32 scores (b, hq, n, n) of q against a block's expanded keys; a diagonal
-    block masks its future."""
+    """Scaled float32 scores (b, g, rows, cols) of q against a block's expanded keys; a
+    causal (diagonal) block masks its future."""
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
@@ -229,15 +338,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
 
 def _expand_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     groups = q.shape[1] // kv.shape[1]
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)  # (b, hq, n, d)
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)  # (b, g, n, d)
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Combine two softmax partial results by their log-sum-exp, in place (both are this
-    function's own tensors: no extra chunk-sized temporaries)."""
-    if out is None:
-        return block_out, block_lse
+def _merge(out, lse, block_out, block_lse) -> None:
+    """Fold one block's softmax partial result into (out, lse) by their log-sum-exp, in
+    place (out and lse may be views into the whole result)."""
     new_lse = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
     out.add_(block_out.mul_(torch.exp(block_lse - new_lse).unsqueeze(-1)))
-    return out, new_lse
+    lse.copy_(new_lse)

@@ -1,0 +1,105 @@
+"""Where each rank's tokens sit in the sequence, and which part of another rank's key/value
+chunk its queries need.
+
+Two layouts, over a world of W ranks and a sequence cut into equal pieces:
+
+- "contiguous": rank r holds piece r of W (tokens [r n, (r + 1) n)). With causal attention
+  rank r needs r + 1/2 chunks of scores, so rank W - 1 works about 2W - 1 times as long as
+  rank 0.
+- "zigzag": the sequence is cut into 2W pieces and rank r holds pieces r and 2W - 1 - r,
+  concatenated (PyTorch's head-tail load balancer for context_parallel uses the same order).
+  With causal attention every rank needs the same W chunks of scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Layout = Literal["contiguous", "zigzag"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+
+_EVERYTHING = slice(None)
+
+
+def check_layout(layout: object) -> None:
+    """A clear error for a layout that is not one of LAYOUTS."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def pieces_per_rank(layout: Layout) -> int:
+    """How many equal pieces of the sequence one rank holds."""
+    return 2 if layout == "zigzag" else 1
+
+
+def shard_sequence(
+    x: torch.Tensor,
+    dim: int = 2,
+    *,
+    layout: Layout = "contiguous",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """This rank's part of the whole-sequence tensor `x` along `dim`, in `layout` (a clear
+    ValueError, raised identically on every rank, when the length does not divide).
+
+    Cut position ids the same way to know which tokens a rank holds, for rotary positions:
+    `shard_sequence(torch.arange(T), 0, layout=layout)`."""
+    check_layout(layout)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces = world * pieces_per_rank(layout)
+    length = x.shape[dim]
+    if length % pieces != 0:
+        raise ValueError(
+            f"sequence length {length} (dim {dim}) is not divisible by the world size "
+            f"{world}" + (f" times 2 ({pieces}) for the zigzag layout" if pieces > world else "")
+        )
+    chunks = x.chunk(pieces, dim=dim)
+    if layout == "zigzag":
+        return torch.cat([chunks[rank], chunks[pieces - 1 - rank]], dim=dim)
+    return chunks[rank].contiguous()
+
+
+@dataclass(frozen=True)
+class Block:
+    """The part of one key/value chunk that this rank's queries attend to: rows of the local
+    queries, columns of the chunk, and whether the causal mask applies inside it."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+def block_for(rank: int, source: int, tokens: int, *, causal: bool, layout: Layout) -> Block | None:
+    """What rank `rank` computes against the key/value chunk of rank `source` (each holds
+    `tokens` local tokens); None when every score there is in the future (skipped)."""
+    if not causal:
+        return Block(_EVERYTHING, _EVERYTHING, False)
+    if source == rank:  # the chunks keep their order, so the plain causal mask is exact
+        return Block(_EVERYTHING, _EVERYTHING, True)
+    if layout == "contiguous":
+        return Block(_EVERYTHING, _EVERYTHING, False) if source < rank else None
+    half = tokens // 2
+    if source < rank:  # its early piece is past for both of ours, its late piece future
+        return Block(_EVERYTHING, slice(0, half), False)
+    return Block(slice(half, tokens), _EVERYTHING, False)  # only our late piece sees it
+
+
+def scores_per_rank(world: int, tokens: int, *, causal: bool, layout: Layout) -> list[int]:
+    """Query-key scores each rank computes for a sequence of `tokens` (the balance of the
+    layout: equal for zigzag, growing with the rank for contiguous causal attention)."""
+    local = tokens // world
+    counts = []
+    for rank in range(world):
+        total = 0
+        for source in range(world):
+            block = block_for(rank, source, local, causal=causal, layout=layout)
+            if block is not None:
+                rows = len(range(local)[block.rows])
+                cols = len(range(local)[block.cols])
+                total += rows * (cols + 1) // 2 if block.causal else rows * cols
+        counts.append(total)
+    return counts

@@ -1,0 +1,127 @@
+"""ring_attention's "torch" backend: the ring engine behind PyTorch's context_parallel
+(torch.distributed.tensor.experimental), called on this rank's chunks directly.
+
+context_parallel itself is a context manager that patches F.scaled_dot_product_attention
+and reads its options (load balancing, rotation) when the forward runs and again when the
+backward runs, so it cannot sit behind a function whose backward comes later. This module
+calls the same two functions it dispatches to, _templated_ring_attention and its backward,
+from a custom autograd function, setting those options for each call and restoring them:
+keys and values rotate by all-to-all (the "alltoall" method: one chunk in flight, where
+PyTorch's default all-gathers every rank's keys and values), and PyTorch's load balancing
+is on exactly when the layout is "zigzag" (its head-tail order) and attention is causal.
+
+The kernel is PyTorch's flash attention: on CUDA `_scaled_dot_product_flash_attention`
+(half precision), on the CPU `_scaled_dot_product_flash_attention_for_cpu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+from attnlab.parallel.layout import Layout
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A flash kernel pair as the ring engine calls it, and how its backward is fed."""
+
+    forward: object
+    backward: object
+    forward_outputs: tuple[str, ...]  # names of the forward's outputs after (out, lse)
+
+
+_CUDA_FLASH = _Kernel(
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"),
+)
+_CPU_FLASH = _Kernel(
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    (),
+)
+
+
+def torch_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    layout: Layout,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """This rank's part of attention over the whole sequence through PyTorch's engine (shapes
+    already checked on every rank by ring_attention)."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"backend 'torch' needs as many key/value heads ({k.shape[1]}) as query heads "
+            f"({q.shape[1]}); backend 'attnlab' takes grouped-query heads"
+        )
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend 'torch' runs on cpu or cuda tensors, got {q.device.type}")
+    group = group if group is not None else dist.group.WORLD
+    return _TorchRing.apply(q, k, v, causal, layout, group)
+
+
+@contextlib.contextmanager
+def _engine_options(causal: bool, layout: Layout):
+    """PyTorch's context-parallel options for one call, restored afterwards."""
+    saved = (cp._cp_options.enable_load_balance, cp._cp_options.rotate_method)
+    cp._cp_options.enable_load_balance = causal and layout == "zigzag"
+    cp._cp_options.rotate_method = cp._RotateMethod.ALL_TO_ALL
+    try:
+        yield
+    finally:
+        cp._cp_options.enable_load_balance, cp._cp_options.rotate_method = saved
+
+
+class _TorchRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, layout, group):
+        kernel = _CUDA_FLASH if q.device.type == "cuda" else _CPU_FLASH
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        with _engine_options(causal, layout):
+            out, lse, *rest = cp._templated_ring_attention(
+                group, 2, kernel.forward, q, k, v, is_causal=causal, dropout_p=0.0, scale=scale
+            )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.causal, ctx.layout, ctx.group, ctx.scale = (
+            kernel,
+            causal,
+            layout,
+            group,
+            scale,
+        )
+        ctx.forward_outputs = dict(zip(kernel.forward_outputs, rest, strict=False))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        with _engine_options(ctx.causal, ctx.layout):
+            grad_q, grad_k, grad_v, *_ = cp._templated_ring_attention_backward(
+                ctx.group,
+                2,
+                ctx.kernel.backward,
+                grad_out=grad_out.contiguous(),
+                grad_out_name="grad_out",
+                query=q,
+                key=k,
+                value=v,
+                out=out,
+                logsumexp=lse,
+                is_causal=ctx.causal,
+                dropout_p=0.0,
+                scale=ctx.scale,
+                **ctx.forward_outputs,
+            )
+        return grad_q, grad_k, grad_v, None, None, None
