@@ -176,25 +176,39 @@ def test_bad_contexts_are_a_usage_error(contexts, capsys):
 
 
 def test_parallel_quick_end_to_end(tmp_path, capsys):
+    from attnlab.bench.parallel import CONFIGS, SINGLE
+
     out = tmp_path / "parallel.json"
     assert cli.main(["bench", "--parallel", "2", "--quick", "--json", str(out)]) == 0
     assert "Ring attention" in capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert [(r["world"], r["rank"]) for r in report["rows"]] == [(1, 0), (2, 0), (2, 1)]
+    runs = [(SINGLE, 1, 0)] + [(label, 2, rank) for label in CONFIGS for rank in (0, 1)]
+    assert [(r["label"], r["world"], r["rank"]) for r in report["rows"]] == runs
+    tokens = 128
     for row in report["rows"]:
-        chunk = 12 * (128 // row["world"]) * 64 * 4  # bytes of one (1, 12, n, 64) float32
+        chunk = 12 * (tokens // row["world"]) * 64 * 4  # bytes of one (1, 12, n, 64) float32
         assert row["input_bytes"] == 3 * chunk
         assert row["sent_bytes"] == (row["world"] - 1) * 2 * chunk
         assert row["total_bytes"] == row["input_bytes"] + row["call_peak_bytes"]
-    worst = max(r["total_bytes"] for r in report["rows"] if r["world"] == 2)
-    assert report["memory_ratio"] == pytest.approx(worst / report["rows"][0]["total_bytes"])
+    scores = {(r["label"], r["rank"]): r["scores"] for r in report["rows"]}
+    whole = 12 * tokens * (tokens + 1) // 2  # causal pairs of the whole sequence, 12 heads
+    assert scores[SINGLE, 0] == whole
+    for label in CONFIGS:  # every pair once, spread over the ranks
+        assert scores[label, 0] + scores[label, 1] == whole
+    contiguous, zigzag = "attnlab ring, contiguous", "attnlab ring, zigzag"
+    assert scores[contiguous, 1] > 2 * scores[contiguous, 0]
+    assert scores[zigzag, 0] == scores[zigzag, 1]
+    single = report["rows"][0]["total_bytes"]
+    for label in CONFIGS:
+        worst = max(r["total_bytes"] for r in report["rows"] if r["label"] == label)
+        assert report["memory_ratio"][label] == pytest.approx(worst / single)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--parallel", "1"], "at least 2 processes"),
-        (["--parallel", "3", "--tokens", "10"], "divide"),
+        (["--parallel", "3", "--tokens", "9"], "must divide by twice --parallel 3"),
     ],
 )
 def test_parallel_usage_errors(args, message, capsys):

@@ -218,8 +218,11 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if mode == "parallel":
         tokens = args.tokens or (64 * args.parallel if args.quick else 16384)
-        if tokens % args.parallel:
-            parser.error(f"bench: --tokens {tokens} must divide by --parallel {args.parallel}")
+        if tokens % (2 * args.parallel):
+            parser.error(
+                f"bench: --tokens {tokens} must divide by twice --parallel {args.parallel} "
+                f"(the zigzag layout cuts {2 * args.parallel} pieces)"
+            )
         bench.parallel_command(args.parallel, tokens=tokens, json_path=args.json)
         return 0
     options = {

@@ -1,12 +1,17 @@
 """`attnlab bench --parallel N`: ring attention over N CPU processes (gloo on loopback)
-against one process, for one long sequence: per-rank peak memory, bytes each rank sends,
-and time.
+against one process, for one long causal sequence: per-rank peak memory, bytes each rank
+sends, the scores it computes, and its time.
 
-Every process builds its own chunk of q, k, v (batch 1, 12 heads of 64, causal) from the
-same seed and runs attnlab.parallel.ring_attention forward under no_grad. Memory per rank
-is its inputs plus the peak the call adds above them (the resident high-water mark, as in
---memory); one process holds the whole sequence and runs the same function on a group of
-one. Bytes sent are counted from the ring's transfers: (N - 1) key/value chunks per rank.
+One process runs PyTorch's F.scaled_dot_product_attention (its CPU flash kernel) on the
+whole sequence. Then N processes run attnlab.parallel.ring_attention forward under no_grad,
+once per configuration: attnlab's ring in the contiguous and the zigzag layout, and PyTorch's
+context-parallel engine (backend "torch") in the zigzag layout. Every process builds its own
+part of q, k, v (batch 1, 12 heads of 64) from a seed and calls once on a short sequence
+first (thread pools, gloo's connections). Memory per rank is its inputs plus the peak the
+call adds above them (the resident high-water mark, as in --memory). Bytes sent are the
+ring's transfers, (N - 1) key/value chunks per rank, the same for every configuration;
+scores are the query-key pairs the layout gives the rank (the balance of its work); CPU
+seconds are the process's own, which stay meaningful when N processes share fewer cores.
 """
 
 from __future__ import annotations
@@ -19,20 +24,33 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from attnlab.bench.memory import peak_bytes
+from attnlab.parallel.layout import scores_per_rank
+
+SINGLE = "1 process: PyTorch SDPA"
+CONFIGS = {  # label: (backend, layout)
+    "attnlab ring, contiguous": ("attnlab", "contiguous"),
+    "attnlab ring, zigzag": ("attnlab", "zigzag"),
+    "torch ring, zigzag": ("torch", "zigzag"),
+}
+_WARMUP_TOKENS = 64  # per rank
 
 
 @dataclass
 class RankRow:
     """One process of one run."""
 
+    label: str
     world: int
     rank: int
     input_bytes: int
     call_peak_bytes: int
     sent_bytes: int
+    scores: int
     seconds: float
+    cpu_seconds: float
 
     @property
     def total_bytes(self) -> int:
@@ -47,69 +65,91 @@ class ParallelReport:
     world: int
     rows: list[RankRow] = field(default_factory=list)
 
-    def worst(self, world: int) -> RankRow:
+    def worst(self, label: str) -> RankRow:
         """The rank of a run with the most memory."""
-        return max((r for r in self.rows if r.world == world), key=lambda r: r.total_bytes)
+        return max((r for r in self.rows if r.label == label), key=lambda r: r.total_bytes)
 
-    @property
-    def memory_ratio(self) -> float:
-        """Largest per-rank memory at N processes over one process's."""
-        return self.worst(self.world).total_bytes / self.worst(1).total_bytes
+    def memory_ratio(self, label: str) -> float:
+        """Largest per-rank memory of run `label` over one process's."""
+        return self.worst(label).total_bytes / self.worst(SINGLE).total_bytes
 
     def to_dict(self) -> dict:
         out = asdict(self)
         for row, raw in zip(self.rows, out["rows"], strict=True):
             raw["total_bytes"] = row.total_bytes
-        out["memory_ratio"] = self.memory_ratio
+        out["memory_ratio"] = {label: self.memory_ratio(label) for label in CONFIGS}
         return out
 
 
 def run_parallel(
     world: int, *, tokens: int = 16384, heads: int = 12, head_dim: int = 64
 ) -> ParallelReport:
-    """One process on the whole sequence, then `world` processes on chunks of it."""
+    """One process on the whole sequence, then `world` processes per configuration."""
     if world < 2:
         raise ValueError(f"world must be at least 2 processes, got {world}")
-    if tokens % world != 0:
-        raise ValueError(f"tokens ({tokens}) must divide by the number of processes ({world})")
+    if tokens % (2 * world) != 0:
+        raise ValueError(
+            f"tokens ({tokens}) must divide by twice the number of processes ({2 * world}) "
+            f"for the zigzag layout"
+        )
     report = ParallelReport(tokens, heads, head_dim, world)
-    for size in (1, world):
-        report.rows += _spawn(size, tokens, heads, head_dim)
+    shape = (tokens, heads, head_dim)
+    report.rows += _spawn(1, SINGLE, shape)
+    for label in CONFIGS:
+        report.rows += _spawn(world, label, shape)
     return report
 
 
-def _spawn(world: int, tokens: int, heads: int, head_dim: int) -> list[RankRow]:
+def _spawn(world: int, label: str, shape: tuple[int, int, int]) -> list[RankRow]:
     queue = mp.get_context("spawn").SimpleQueue()
     port = free_loopback_port()
-    mp.spawn(_rank, args=(world, port, tokens, heads, head_dim, queue), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, port, label, shape, queue), nprocs=world, join=True)
     rows = [queue.get() for _ in range(world)]
     return sorted((RankRow(**row) for row in rows), key=lambda r: r.rank)
 
 
-def _rank(rank, world, port, tokens, heads, head_dim, queue) -> None:
+def _attention_call(label: str):
+    """What one process of run `label` calls on its q, k, v."""
+    if label == SINGLE:
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     from attnlab.parallel import ring_attention
 
+    backend, layout = CONFIGS[label]
+    return lambda q, k, v: ring_attention(q, k, v, causal=True, layout=layout, backend=backend)
+
+
+def _rank(rank, world, port, label, shape, queue) -> None:
+    tokens, heads, head_dim = shape
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        chunk = tokens // world
+        call = _attention_call(label)
         generator = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(1, heads, chunk, head_dim, generator=generator) for _ in range(3))
-        dist.barrier()
-        start = time.perf_counter()
+
+        def qkv(local_tokens: int):
+            size = (1, heads, local_tokens, head_dim)
+            return [torch.randn(size, generator=generator) for _ in range(3)]
+
         with torch.no_grad():
-            peak = peak_bytes(lambda: ring_attention(q, k, v, causal=True), q.device)
-        seconds = time.perf_counter() - start
-        sent = (world - 1) * (k.nbytes + v.nbytes)
+            call(*qkv(_WARMUP_TOKENS))
+            q, k, v = qkv(tokens // world)
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            peak = peak_bytes(lambda: call(q, k, v), q.device)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        layout = CONFIGS[label][1] if label in CONFIGS else "contiguous"
         queue.put(
             dict(
+                label=label,
                 world=world,
                 rank=rank,
                 input_bytes=q.nbytes + k.nbytes + v.nbytes,
                 call_peak_bytes=peak or 0,
-                sent_bytes=sent,
+                sent_bytes=(world - 1) * (k.nbytes + v.nbytes),
+                scores=heads * scores_per_rank(world, tokens, causal=True, layout=layout)[rank],
                 seconds=seconds,
+                cpu_seconds=cpu_seconds,
             )
         )
     finally:
