@@ -176,18 +176,20 @@ def test_bad_contexts_are_a_usage_error(contexts, capsys):
 
 
 def test_parallel_quick_end_to_end(tmp_path, capsys):
-    from attnlab.bench.parallel import CONFIGS, SINGLE
+    from attnlab.bench.parallel import CONFIGS, PASSES, SINGLE
 
     out = tmp_path / "parallel.json"
     assert cli.main(["bench", "--parallel", "2", "--quick", "--json", str(out)]) == 0
-    assert "Ring attention" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Ring attention" in printed and "forward+backward" in printed
     report = json.loads(out.read_text())
-    runs = [(SINGLE, 1, 0)] + [(label, 2, rank) for label in CONFIGS for rank in (0, 1)]
-    assert [(r["label"], r["world"], r["rank"]) for r in report["rows"]] == runs
+    runs = [(SINGLE, step, 0) for step in PASSES]
+    runs += [(label, step, rank) for label in CONFIGS for step in PASSES for rank in (0, 1)]
+    assert [(r["label"], r["step"], r["rank"]) for r in report["rows"]] == runs
     tokens = 128
     for row in report["rows"]:
         chunk = 12 * (tokens // row["world"]) * 64 * 4  # bytes of one (1, 12, n, 64) float32
-        assert row["input_bytes"] == 3 * chunk
+        assert row["input_bytes"] == (4 if row["step"] == "forward+backward" else 3) * chunk
         assert row["sent_bytes"] == (row["world"] - 1) * 2 * chunk
         assert row["total_bytes"] == row["input_bytes"] + row["call_peak_bytes"]
     scores = {(r["label"], r["rank"]): r["scores"] for r in report["rows"]}
@@ -198,10 +200,12 @@ def test_parallel_quick_end_to_end(tmp_path, capsys):
     contiguous, zigzag = "attnlab ring, contiguous", "attnlab ring, zigzag"
     assert scores[contiguous, 1] > 2 * scores[contiguous, 0]
     assert scores[zigzag, 0] == scores[zigzag, 1]
-    single = report["rows"][0]["total_bytes"]
-    for label in CONFIGS:
-        worst = max(r["total_bytes"] for r in report["rows"] if r["label"] == label)
-        assert report["memory_ratio"][label] == pytest.approx(worst / single)
+    for step in PASSES:
+        rows = [r for r in report["rows"] if r["step"] == step]
+        single = rows[0]["total_bytes"]
+        for label in CONFIGS:
+            worst = max(r["total_bytes"] for r in rows if r["label"] == label)
+            assert report["memory_ratio"][step][label] == pytest.approx(worst / single)
 
 
 @pytest.mark.parametrize(

@@ -1,21 +1,26 @@
 """`attnlab bench --parallel N`: ring attention over N CPU processes (gloo on loopback)
-against one process, for one long causal sequence: per-rank peak memory, bytes each rank
-sends, the scores it computes, and its time.
+against one process, for one long causal sequence, forward and forward+backward: per-rank
+peak memory, bytes each rank sends, the scores it computes, and its time.
 
 One process runs PyTorch's F.scaled_dot_product_attention (its CPU flash kernel) on the
-whole sequence. Then N processes run attnlab.parallel.ring_attention forward under no_grad,
-once per configuration: attnlab's ring in the contiguous and the zigzag layout, and PyTorch's
+whole sequence. Then N processes run attnlab.parallel.ring_attention, once per
+configuration: attnlab's ring in the contiguous and the zigzag layout, and PyTorch's
 context-parallel engine (backend "torch") in the zigzag layout. Every process builds its own
 part of q, k, v (batch 1, 12 heads of 64) from a seed and calls once on a short sequence
-first (thread pools, gloo's connections). Memory per rank is its inputs plus the peak the
-call adds above them (the resident high-water mark, as in --memory). Bytes sent are the
-ring's transfers, (N - 1) key/value chunks per rank, the same for every configuration;
+first (thread pools, gloo's connections). The forward runs under no_grad; the training pass
+is the forward and torch.autograd.grad of q, k, v for a given output gradient. Memory per
+rank is its inputs (q, k, v, and the output gradient for the training pass) plus the peak
+the call adds above them (the resident high-water mark, as in --memory). Bytes sent are the
+forward's ring transfers, (N - 1) key/value chunks per rank, the same for every
+configuration (the backward sends them again, with their gradients);
 scores are the query-key pairs the layout gives the rank (the balance of its work); CPU
 seconds are the process's own, which stay meaningful when N processes share fewer cores.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import socket
 import time
@@ -30,6 +35,7 @@ from attnlab.bench.memory import peak_bytes
 from attnlab.parallel.layout import scores_per_rank
 
 SINGLE = "1 process: PyTorch SDPA"
+PASSES = ("forward", "forward+backward")
 CONFIGS = {  # label: (backend, layout)
     "attnlab ring, contiguous": ("attnlab", "contiguous"),
     "attnlab ring, zigzag": ("attnlab", "zigzag"),
@@ -43,6 +49,7 @@ class RankRow:
     """One process of one run."""
 
     label: str
+    step: str  # one of PASSES
     world: int
     rank: int
     input_bytes: int
@@ -65,19 +72,22 @@ class ParallelReport:
     world: int
     rows: list[RankRow] = field(default_factory=list)
 
-    def worst(self, label: str) -> RankRow:
+    def worst(self, label: str, step: str) -> RankRow:
         """The rank of a run with the most memory."""
-        return max((r for r in self.rows if r.label == label), key=lambda r: r.total_bytes)
+        rows = (r for r in self.rows if (r.label, r.step) == (label, step))
+        return max(rows, key=lambda r: r.total_bytes)
 
-    def memory_ratio(self, label: str) -> float:
-        """Largest per-rank memory of run `label` over one process's."""
-        return self.worst(label).total_bytes / self.worst(SINGLE).total_bytes
+    def memory_ratio(self, label: str, step: str = "forward") -> float:
+        """Largest per-rank memory of run `label` over one process's, in pass `step`."""
+        return self.worst(label, step).total_bytes / self.worst(SINGLE, step).total_bytes
 
     def to_dict(self) -> dict:
         out = asdict(self)
         for row, raw in zip(self.rows, out["rows"], strict=True):
             raw["total_bytes"] = row.total_bytes
-        out["memory_ratio"] = {label: self.memory_ratio(label) for label in CONFIGS}
+        out["memory_ratio"] = {
+            step: {label: self.memory_ratio(label, step) for label in CONFIGS} for step in PASSES
+        }
         return out
 
 
@@ -104,8 +114,8 @@ def _spawn(world: int, label: str, shape: tuple[int, int, int]) -> list[RankRow]
     queue = mp.get_context("spawn").SimpleQueue()
     port = free_loopback_port()
     mp.spawn(_rank, args=(world, port, label, shape, queue), nprocs=world, join=True)
-    rows = [queue.get() for _ in range(world)]
-    return sorted((RankRow(**row) for row in rows), key=lambda r: r.rank)
+    rows = [RankRow(**queue.get()) for _ in range(world * len(PASSES))]
+    return sorted(rows, key=lambda r: (PASSES.index(r.step), r.rank))
 
 
 def _attention_call(label: str):
@@ -126,34 +136,48 @@ def _rank(rank, world, port, label, shape, queue) -> None:
     try:
         call = _attention_call(label)
         generator = torch.Generator().manual_seed(rank)
-
-        def qkv(local_tokens: int):
-            size = (1, heads, local_tokens, head_dim)
-            return [torch.randn(size, generator=generator) for _ in range(3)]
-
-        with torch.no_grad():
-            call(*qkv(_WARMUP_TOKENS))
-            q, k, v = qkv(tokens // world)
+        size = (1, heads, tokens // world, head_dim)
+        layout = CONFIGS[label][1] if label in CONFIGS else "contiguous"
+        facts = dict(
+            label=label,
+            world=world,
+            rank=rank,
+            sent_bytes=(world - 1) * 2 * math.prod(size) * 4,
+            scores=heads * scores_per_rank(world, tokens, causal=True, layout=layout)[rank],
+        )
+        for step in PASSES:
+            inputs = [torch.randn(size, generator=generator) for _ in range(4)]
+            measure = _training_step if step == "forward+backward" else _forward
+            measure(call, [t[:, :, :_WARMUP_TOKENS] for t in inputs])
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
-            peak = peak_bytes(lambda: call(q, k, v), q.device)
+            peak = peak_bytes(functools.partial(measure, call, inputs), inputs[0].device)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        layout = CONFIGS[label][1] if label in CONFIGS else "contiguous"
-        queue.put(
-            dict(
-                label=label,
-                world=world,
-                rank=rank,
-                input_bytes=q.nbytes + k.nbytes + v.nbytes,
-                call_peak_bytes=peak or 0,
-                sent_bytes=(world - 1) * (k.nbytes + v.nbytes),
-                scores=heads * scores_per_rank(world, tokens, causal=True, layout=layout)[rank],
-                seconds=seconds,
-                cpu_seconds=cpu_seconds,
+            used = inputs if step == "forward+backward" else inputs[:3]
+            queue.put(
+                dict(
+                    facts,
+                    step=step,
+                    input_bytes=sum(t.nbytes for t in used),
+                    call_peak_bytes=peak or 0,
+                    seconds=seconds,
+                    cpu_seconds=cpu_seconds,
+                )
             )
-        )
     finally:
         dist.destroy_process_group()
+
+
+def _forward(call, inputs):
+    """The forward alone, under no_grad."""
+    with torch.no_grad():
+        return call(*inputs[:3])
+
+
+def _training_step(call, inputs):
+    """Forward, then the gradients of q, k, v for the output gradient inputs[3]."""
+    q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
+    return torch.autograd.grad(call(q, k, v), (q, k, v), inputs[3].contiguous())
 
 
 def free_loopback_port() -> int:

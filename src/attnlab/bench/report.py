@@ -242,31 +242,32 @@ def write_json(data: dict, path: str | Path) -> None:
 
 
 def print_parallel(report, console: Console | None = None) -> None:
-    """One row per process of each run, and each run's memory ratio to one process."""
-    from attnlab.bench.parallel import CONFIGS
+    """A table per pass (forward, forward+backward), one row per process of each run, and
+    each run's memory ratio to one process."""
+    from attnlab.bench.parallel import CONFIGS, PASSES
 
     console = console or Console()
-    table = Table(
-        title=f"Ring attention, causal, {report.tokens} tokens, {report.heads} heads x "
-        f"{report.head_dim}, forward: one process against {report.world}"
-    )
-    columns = ("run", "rank", "inputs MiB", "call peak MiB", "total MiB", "sent MiB")
-    for column in (*columns, "scores M", "s", "CPU s"):
-        table.add_column(column, justify="left" if column == "run" else "right")
-    for row in report.rows:
-        table.add_row(
-            row.label if row.rank == 0 else "",
-            str(row.rank),
-            f"{row.input_bytes / 2**20:.1f}",
-            f"{row.call_peak_bytes / 2**20:.1f}",
-            f"{row.total_bytes / 2**20:.1f}",
-            f"{row.sent_bytes / 2**20:.1f}",
-            f"{row.scores / 1e6:,.0f}",
-            f"{row.seconds:.2f}",
-            f"{row.cpu_seconds:.2f}",
+    for step in PASSES:
+        table = Table(
+            title=f"Ring attention, causal, {report.tokens} tokens, {report.heads} heads x "
+            f"{report.head_dim}, {step}: one process against {report.world}"
         )
-    console.print(table)
-    for label in CONFIGS:
-        console.print(
-            f"{label}: largest rank's memory / one process's = {report.memory_ratio(label):.2f}"
-        )
+        columns = ("run", "rank", "inputs MiB", "call peak MiB", "total MiB", "sent MiB")
+        for column in (*columns, "scores M", "s", "CPU s"):
+            table.add_column(column, justify="left" if column == "run" else "right")
+        for row in (r for r in report.rows if r.step == step):
+            table.add_row(
+                row.label if row.rank == 0 else "",
+                str(row.rank),
+                f"{row.input_bytes / 2**20:.1f}",
+                f"{row.call_peak_bytes / 2**20:.1f}",
+                f"{row.total_bytes / 2**20:.1f}",
+                f"{row.sent_bytes / 2**20:.1f}",
+                f"{row.scores / 1e6:,.0f}",
+                f"{row.seconds:.2f}",
+                f"{row.cpu_seconds:.2f}",
+            )
+        console.print(table)
+        for label in CONFIGS:
+            ratio = report.memory_ratio(label, step)
+            console.print(f"{step}, {label}: largest rank's memory / one process's = {ratio:.2f}")
