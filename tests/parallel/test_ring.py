@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnlab.bench.parallel import free_loopback_port
+from attnlab.bench.parallel import exit_rank, free_loopback_port
 from attnlab.functional import attention
 from attnlab.parallel import LAYOUTS, ring_attention, shard_sequence
 
@@ -39,9 +39,9 @@ def _entry(rank, world, port, worker, args):
     try:
         worker(rank, world, *args)
     except Exception:
-        raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
-    finally:
         dist.destroy_process_group()
+        raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
+    exit_rank()
 
 
 CASES = [  # (batch, query heads, key/value heads, tokens, head_dim, causal)
