@@ -13,10 +13,11 @@ is on exactly when the layout is "zigzag" (its head-tail order) and attention is
 The kernel is PyTorch's flash attention: on CUDA `_scaled_dot_product_flash_attention`
 (half precision), on the CPU `_scaled_dot_product_flash_attention_for_cpu`.
 
-On gloo, the engine's functional collectives leave work that a gloo worker thread may
-release while the interpreter shuts down, aborting the process at exit ("terminate called
-without an active exception"; about 1 run in 30 here). A script that ends with
-dist.destroy_process_group() and os._exit(0) avoids it (attnlab.bench.parallel.exit_rank).
+On gloo, the engine's functional collectives (as DTensor's) leave work that a gloo worker
+thread may release while the interpreter shuts down, aborting the process at exit
+("terminate called without an active exception"; about 1 run in 30 here). A script that
+ends with dist.destroy_process_group() and os._exit(0) avoids it (see
+attnlab.bench.parallel.exit_rank and examples/scale_out.py).
 """
 
 from __future__ import annotations
