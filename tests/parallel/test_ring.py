@@ -53,13 +53,13 @@ CASES = [  # (batch, query heads, key/value heads, tokens, head_dim, causal)
 ]
 
 
-def _check_against_one_process(case, layout, backend):
+def _check_against_one_process(case, layout, backend, dtype=torch.float32, tolerance=1e-5):
     """Output and q/k/v gradients of the ring equal single-process attention (the math
     backend) on the whole sequence, cut into this rank's part."""
     b, hq, hkv, tokens, d, causal = case
     g = torch.Generator().manual_seed(tokens + hq)
-    q, k, v = (torch.randn(b, h, tokens, d, generator=g) for h in (hq, hkv, hkv))
-    grad_out = torch.randn(b, hq, tokens, d, generator=g)
+    q, k, v = (torch.randn(b, h, tokens, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv))
+    grad_out = torch.randn(b, hq, tokens, d, generator=g, dtype=dtype)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = attention(*full, causal=causal, backend="math")
     expected_grads = torch.autograd.grad(expected, full, grad_out)
@@ -70,9 +70,10 @@ def _check_against_one_process(case, layout, backend):
     parts = [mine(t).requires_grad_() for t in (q, k, v)]
     out = ring_attention(*parts, causal=causal, layout=layout, backend=backend)
     grads = torch.autograd.grad(out, parts, mine(grad_out))
-    torch.testing.assert_close(out, mine(expected), atol=1e-5, rtol=1e-5)
+    close = dict(atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out, mine(expected), **close)
     for grad, full_grad in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, mine(full_grad), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, mine(full_grad), **close)
 
 
 def _equal_to_one_process(rank, world):
@@ -83,16 +84,19 @@ def _equal_to_one_process(rank, world):
             _check_against_one_process(case, layout, "attnlab")
             if case[1] == case[2]:  # PyTorch's engine takes equal heads only
                 _check_against_one_process(case, layout, "torch")
+    for layout in LAYOUTS:  # float64 stays float64 (accumulated in it, not in float32)
+        _check_against_one_process(CASES[2], layout, "attnlab", torch.float64, 1e-10)
     ring._fused = lambda q: False  # the explicit product that other devices and dtypes take
     for case in CASES:
         for layout in LAYOUTS:
             _check_against_one_process(case, layout, "attnlab")
+    _check_against_one_process(CASES[2], "zigzag", "attnlab", torch.float64, 1e-10)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_equals_attention_on_the_whole_sequence(world):
     """Both backends, both layouts, causal or not, grouped-query heads, batch > 1; the
-    attnlab ring with CPU flash blocks and with explicit blocks."""
+    attnlab ring with CPU flash blocks and with explicit blocks, in float32 and float64."""
     _spawn(_equal_to_one_process, world)
 
 
@@ -122,40 +126,52 @@ def test_torch_backend_restores_pytorchs_options():
     _spawn(_options_restored, 2)
 
 
-def _raises_everywhere(message: str, call) -> None:
+def _raises(message: str, call, error=ValueError) -> None:
     try:
         call()
-    except ValueError as error:
-        assert message in str(error), str(error)
+    except error as raised:
+        assert message in str(raised), str(raised)
     else:
-        raise AssertionError(f"expected a ValueError saying {message!r}")
+        raise AssertionError(f"expected {error.__name__} saying {message!r}")
 
 
 def _bad_inputs(rank, world):
     x = torch.randn(1, 2, 6, 4)
-    _raises_everywhere("not divisible by the world size 2", lambda: shard_sequence(x[:, :, :5]))
-    _raises_everywhere("times 2 (4) for the zigzag", lambda: shard_sequence(x, layout="zigzag"))
+    _raises("not divisible by the world size 2", lambda: shard_sequence(x[:, :, :5]))
+    _raises("times 2 (4) for the zigzag", lambda: shard_sequence(x, layout="zigzag"))
     q = torch.randn(1, 2, 4 + rank, 4)  # rank 1 has a longer chunk
-    _raises_everywhere("differ across ranks", lambda: ring_attention(q, q, q))
+    _raises("differ across ranks", lambda: ring_attention(q, q, q))
     malformed = torch.randn(2, 4) if rank == 0 else torch.randn(1, 2, 4, 4)
-    _raises_everywhere("ranks [0]", lambda: ring_attention(malformed, malformed, malformed))
+    expected = "rank 0: q must be a 4-D tensor" if rank == 0 else "ranks [0] passed invalid"
+    _raises(expected, lambda: ring_attention(malformed, malformed, malformed))
     odd = torch.randn(1, 2, 3, 4)
-    _raises_everywhere(
-        "local tokens (3) must be even", lambda: ring_attention(odd, odd, odd, layout="zigzag")
-    )
+    _raises("local tokens (3) must be even", lambda: ring_attention(odd, odd, odd, layout="zigzag"))
     q = torch.randn(1, 2, 4, 4)
-    layout = "zigzag" if rank == 0 else "contiguous"
-    _raises_everywhere(
-        "(layout, causal) differ across ranks",
-        lambda: ring_attention(q, q, q, causal=True, layout=layout),
-    )
+    for name, value in [("layout", "zigzag"), ("backend", "torch")]:
+        other = {name: value} if rank == 0 else {}
+        _raises("differ across ranks", lambda: ring_attention(q, q, q, causal=True, **other))  # noqa: B023
+    double = q.double() if rank == 1 else q
+    _raises("differ across ranks", lambda: ring_attention(double, double, double))
     kv = torch.randn(1, 1, 4, 4)
-    _raises_everywhere(
-        "backend 'torch' needs as many key/value heads (1) as query heads (2)",
+    _raises(
+        "PyTorch's engine needs as many key/value heads (1) as query heads (2)",
         lambda: ring_attention(q, kv, kv, backend="torch"),
     )
-    _raises_everywhere("layout must be one of", lambda: ring_attention(q, q, q, layout="ring"))
-    _raises_everywhere("backend must be one of", lambda: ring_attention(q, q, q, backend="nccl"))
+    bad_layout = "ring" if rank == 0 else "contiguous"  # bad on one rank only
+    expected = "layout must be one of" if rank == 0 else "ranks [0] passed invalid"
+    _raises(expected, lambda: ring_attention(q, q, q, layout=bad_layout))
+    _raises("backend must be one of", lambda: ring_attention(q, q, q, backend="nccl"))
+    _raises("causal must be a bool", lambda: ring_attention(q, q, q, causal=1), TypeError)
+    whole = torch.ones(1, 2, 4, 4, dtype=torch.long)
+    _raises("floating-point", lambda: ring_attention(whole, whole, whole), TypeError)
+    _raises("share one dtype and device", lambda: ring_attention(q, q.double(), q.double()))
+    empty = torch.randn(1, 2, 0, 4)
+    _raises("every dimension must be at least 1", lambda: ring_attention(empty, empty, empty))
+    leaf, weight = q.clone().requires_grad_(), torch.ones_like(q, requires_grad=True)
+    out = ring_attention(leaf, leaf, leaf)
+    (grad,) = torch.autograd.grad(out, leaf, weight, create_graph=True)
+    _raises("differentiate twice", lambda: grad.sum().backward(), RuntimeError)
+    ring_attention(q, q, q)  # the group is still in step: this call does not hang
 
 
 def test_bad_input_is_a_value_error_on_every_rank():
@@ -172,7 +188,8 @@ def test_the_explicit_block_path_equals_the_fused_one(monkeypatch, causal):
     q = torch.randn(2, 4, 12, 8, generator=g)
     k, v = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
     grad_out = torch.randn(2, 4, 12, 8, generator=g)
-    block, plan = Block(slice(None), slice(None), causal), SimpleNamespace(scale=0.35)
+    block = Block(slice(None), slice(None), causal)
+    plan = SimpleNamespace(scale=0.35, acc=torch.float32)
     fused_out, fused_lse = ring._block(q, k, v, block, plan)
     fused_grads = ring._block_backward(grad_out, q, k, v, fused_out, fused_lse, block, plan)
     monkeypatch.setattr(ring, "_fused", lambda q: False)

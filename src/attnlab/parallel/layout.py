@@ -8,7 +8,7 @@ Two layouts, over a world of W ranks and a sequence cut into equal pieces:
   rank 0.
 - "zigzag": the sequence is cut into 2W pieces and rank r holds pieces r and 2W - 1 - r,
   concatenated (PyTorch's head-tail load balancer for context_parallel uses the same order).
-  With causal attention every rank needs the same W chunks of scores.
+  With causal attention every rank computes the same number of scores, 1/W of the total.
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ def block_for(rank: int, source: int, tokens: int, *, causal: bool, layout: Layo
 def scores_per_rank(world: int, tokens: int, *, causal: bool, layout: Layout) -> list[int]:
     """Query-key scores each rank computes for a sequence of `tokens` (the balance of the
     layout: equal for zigzag, growing with the rank for contiguous causal attention)."""
+    pieces = world * pieces_per_rank(layout)
+    if tokens % pieces:
+        raise ValueError(f"tokens ({tokens}) must divide into {pieces} pieces for {layout}")
     local = tokens // world
     counts = []
     for rank in range(world):

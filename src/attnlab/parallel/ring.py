@@ -11,7 +11,7 @@ what is held beside the inputs is one head's keys and values, twice (the block b
 computed and the one in flight): 2/hkv of the local keys and values, not twice all of them.
 
 Backward (a custom autograd function): keys and values go round again, one transfer ahead of
-the compute as in the forward, and float32 gradient accumulators follow them on a ring of
+the compute as in the forward, and gradient accumulators (float32 at least) follow them on a ring of
 their own; each rank adds its part for the block it holds, so after a full turn every
 accumulator is back at its owner.
 """
@@ -23,11 +23,12 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
-from attnlab.parallel.layout import LAYOUTS, Layout, block_for, check_layout, pieces_per_rank
+from attnlab.parallel.checks import check_arguments
+from attnlab.parallel.layout import Layout, block_for
 
 Backend = Literal["auto", "attnlab", "torch"]
-BACKENDS: tuple[str, ...] = ("auto", "attnlab", "torch")
 
 
 def ring_attention(
@@ -44,77 +45,26 @@ def ring_attention(
 
     Every rank passes its part of the sequence in `layout` (see attnlab.parallel.layout;
     `shard_sequence` cuts a whole tensor that way): q is (b, hq, n, d), k and v are
-    (b, hkv, n, d) with hkv dividing hq. "zigzag" balances causal work across ranks and
-    needs an even n. Chunks must have one shape on every rank; a mismatch is a ValueError on
-    every rank (shapes are compared with a collective first, so no rank is left waiting).
+    (b, hkv, n, d) with hkv dividing hq, one floating-point dtype and device. "zigzag"
+    balances causal work across ranks and needs an even n. Arguments are checked on every
+    rank with one collective first (shapes and settings must agree across ranks), so bad
+    input is an error on every rank, never a hang.
 
-    backend: "attnlab" is the ring of this module (any device and dtype, grouped-query
-    heads, memory of one key/value head in flight); "torch" is the ring engine behind
-    PyTorch's context_parallel (flash kernels, equal query and key/value heads); "auto"
-    takes "torch" on CUDA where its flash kernel applies and "attnlab" everywhere else."""
-    check_layout(layout)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _check_same_everywhere(q, k, v, causal, layout, group)
-    if backend == "auto":
-        backend = "torch" if torch_engine_applies(q, k) else "attnlab"
-    if backend == "torch":
-        from attnlab.parallel.torch_ring import torch_ring_attention
+    backend: "attnlab" is the ring of this module (any device, the four floating dtypes,
+    grouped-query heads, memory of one key/value head in flight); "torch" is the ring engine
+    behind PyTorch's context_parallel (flash kernels, equal query and key/value heads);
+    "auto" takes "torch" on CUDA where its flash kernel applies, "attnlab" everywhere else.
+    Differentiable once (a second derivative is refused)."""
+    check_arguments(q, k, v, causal=causal, layout=layout, backend=backend, group=group)
+    if backend != "attnlab":
+        from attnlab.parallel.torch_ring import torch_engine_refusal, torch_ring_attention
 
-        return torch_ring_attention(q, k, v, causal=causal, layout=layout, group=group)
+        refusal = torch_engine_refusal(q, k)
+        if backend == "torch" and refusal is not None:
+            raise ValueError(f"backend 'torch': {refusal}; backend 'attnlab' takes these")
+        if refusal is None and (backend == "torch" or q.device.type == "cuda"):
+            return torch_ring_attention(q, k, v, causal=causal, layout=layout, group=group)
     return _RingAttention.apply(q, k, v, causal, layout, group)
-
-
-def torch_engine_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether "auto" hands these chunks to PyTorch's context-parallel engine: CUDA, half
-    precision, equal query and key/value heads, a head size its flash kernel takes."""
-    head_dim = q.shape[-1]
-    return (
-        q.device.type == "cuda"
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[1] == k.shape[1]
-        and head_dim <= 256
-        and head_dim % 8 == 0
-    )
-
-
-def _check_same_everywhere(q, k, v, causal: bool, layout: Layout, group) -> None:
-    """All-gather each rank's shapes (-1 for a malformed input) and settings, and raise the
-    same ValueError on every rank when they are malformed or differ."""
-    mine = [*_shape4(q), *_shape4(k), *_shape4(v), LAYOUTS.index(layout), int(causal)]
-    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    local = torch.tensor(mine, dtype=torch.long, device=device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    shapes = [tuple(g.tolist()[:12]) for g in gathered]
-    settings = [tuple(g.tolist()[12:]) for g in gathered]
-    if any(-1 in s for s in shapes):
-        bad = [rank for rank, s in enumerate(shapes) if -1 in s]
-        raise ValueError(
-            f"q, k, v must be 4-D tensors (batch, heads, tokens, head_dim) on every rank; "
-            f"ranks {bad} passed something else"
-        )
-    if len(set(shapes)) > 1:
-        raise ValueError(f"q, k, v chunk shapes differ across ranks: {shapes}")
-    if len(set(settings)) > 1:
-        named = [(LAYOUTS[layout_id], bool(c)) for layout_id, c in settings]
-        raise ValueError(f"(layout, causal) differ across ranks: {named}")
-    b, hq, n, d, kb, hkv, kn, kd = shapes[0][:8]
-    if (kb, kn, kd) != (b, n, d) or shapes[0][4:8] != shapes[0][8:12] or hq % hkv:
-        raise ValueError(
-            f"q {shapes[0][:4]}, k {shapes[0][4:8]}, v {shapes[0][8:12]}: batch, tokens and "
-            f"head_dim must agree and the key/value heads must divide the query heads"
-        )
-    if n % pieces_per_rank(layout):
-        raise ValueError(
-            f"the {layout} layout holds two pieces per rank: local tokens ({n}) must be even"
-        )
-
-
-def _shape4(t) -> list[int]:
-    return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
 
 
 def _head_groups(q_heads: int, kv_heads: int):
@@ -127,9 +77,9 @@ def _head_groups(q_heads: int, kv_heads: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, layout, group):
-        plan = _Plan(group, q.shape[2], causal, layout, 1.0 / math.sqrt(q.shape[-1]))
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # (b, hq, n)
+        plan = _Plan(group, q, causal, layout)
+        out = torch.empty(q.shape, dtype=plan.acc, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=plan.acc, device=q.device)  # (b, hq, n)
         for q_heads, kv_heads in _head_groups(q.shape[1], k.shape[1]):
             kv = (k[:, kv_heads], v[:, kv_heads])
             _ring_forward(plan, q[:, q_heads], *kv, out[:, q_heads], lse[:, q_heads])
@@ -138,11 +88,12 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        grad_q = torch.zeros_like(q, dtype=torch.float32)
-        grad_k = torch.empty_like(k, dtype=torch.float32)
-        grad_v = torch.empty_like(v, dtype=torch.float32)
+        acc = ctx.plan.acc
+        grad_q = torch.zeros_like(q, dtype=acc)
+        grad_k, grad_v = torch.empty_like(k, dtype=acc), torch.empty_like(v, dtype=acc)
         for q_heads, kv_heads in _head_groups(q.shape[1], k.shape[1]):
             grad_k[:, kv_heads], grad_v[:, kv_heads] = _ring_backward(
                 ctx.plan,
@@ -158,12 +109,14 @@ class _RingAttention(torch.autograd.Function):
 
 
 class _Plan:
-    """The ring's fixed facts for one call: who this rank is and what it computes."""
+    """The ring's fixed facts for one call: who this rank is, what it computes, and the
+    dtype partial results accumulate in (float32 at least, float64 for float64 inputs)."""
 
-    def __init__(self, group, tokens: int, causal: bool, layout: Layout, scale: float) -> None:
-        self.group, self.scale = group, scale
+    def __init__(self, group, q: torch.Tensor, causal: bool, layout: Layout) -> None:
+        self.group, self.scale = group, 1.0 / math.sqrt(q.shape[-1])
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.tokens, self.causal, self.layout = tokens, causal, layout
+        self.tokens, self.causal, self.layout = q.shape[2], causal, layout
+        self.acc = torch.promote_types(q.dtype, torch.float32)
 
     def block(self, step: int):
         """The block computed at `step`, against the chunk of rank (rank - step), or None."""
@@ -193,9 +146,9 @@ def _ring_forward(plan: _Plan, q, k, v, out, lse) -> None:
 
 def _ring_backward(plan: _Plan, grad_out, q, k, v, out, lse, grad_q):
     """One key/value head's backward ring: adds into `grad_q` in place and returns this
-    rank's (grad_k, grad_v) for the head, float32."""
+    rank's (grad_k, grad_v) for the head, in the accumulation dtype."""
     kv_ring = _Ring(plan.group, (k, v), tag=0)
-    accumulators = [torch.zeros_like(t, dtype=torch.float32) for t in (k, v)]
+    accumulators = [torch.zeros_like(t, dtype=plan.acc) for t in (k, v)]
     grad_ring = _Ring(plan.group, accumulators, tag=1)
     for step in range(plan.world):
         k_block, v_block = kv_ring.current()
@@ -276,15 +229,16 @@ def _fused(q: torch.Tensor) -> bool:
 
 
 def _block(q, k, v, block, plan: _Plan):
-    """(out float32 (b, g, rows, d), logsumexp float32 (b, g, rows)) of q against one block.
-    A causal block is square (the rank's own), so the top-left mask is the diagonal one."""
+    """(out (b, g, rows, d), logsumexp (b, g, rows)) of q against one block, in the
+    accumulation dtype. A causal block is square (the rank's own), so the top-left mask is
+    the diagonal one."""
     k, v = _expand_heads(q, k), _expand_heads(q, v)
     if _fused(q):
         out, lse = _CPU_FLASH(q, k, v, 0.0, block.causal, scale=plan.scale)
-        return out.float(), lse.float()
-    scores = _scores(q, k, block.causal, plan.scale)
+        return out.to(plan.acc), lse.to(plan.acc)
+    scores = _scores(q, k, block.causal, plan)
     lse = torch.logsumexp(scores, dim=-1)  # (b, g, rows)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(plan.acc)
     return out, lse
 
 
@@ -299,22 +253,23 @@ def _block_backward(grad_out, q, k, v, out, lse, block, plan: _Plan):
             k_full,
             v_full,
             out.to(q.dtype),
-            lse.contiguous(),
+            lse.to(q.dtype).contiguous(),
             0.0,
             block.causal,
             scale=plan.scale,
         )
-        return dq.float(), _sum_groups(dk.float(), groups), _sum_groups(dv.float(), groups)
-    k_full, v_full = k_full.float(), v_full.float()
-    scores = _scores(q, k_full, block.causal, plan.scale)
+        dk, dv = (_sum_groups(t.to(plan.acc), groups) for t in (dk, dv))
+        return dq.to(plan.acc), dk, dv
+    k_full, v_full = k_full.to(plan.acc), v_full.to(plan.acc)
+    scores = _scores(q, k_full, block.causal, plan)
     p = torch.exp(scores - lse.unsqueeze(-1))  # (b, g, rows, cols): this block's weights
-    g = grad_out.float()
+    g = grad_out.to(plan.acc)
     dv = p.transpose(-2, -1) @ g  # (b, g, cols, d)
     dp = g @ v_full.transpose(-2, -1)
     delta = (g * out).sum(-1, keepdim=True)  # (b, g, rows, 1)
     ds = p * (dp - delta) * plan.scale
     dq = ds @ k_full
-    dk = ds.transpose(-2, -1) @ q.float()
+    dk = ds.transpose(-2, -1) @ q.to(plan.acc)
     return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 
@@ -326,10 +281,10 @@ def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, hq // groups, groups, n, d).sum(2)  # (b, hkv, n, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """Scaled float32 scores (b, g, rows, cols) of q against a block's expanded keys; a
-    causal (diagonal) block masks its future."""
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, plan: _Plan) -> torch.Tensor:
+    """Scaled scores (b, g, rows, cols) of q against a block's expanded keys, in the
+    accumulation dtype; a causal (diagonal) block masks its future."""
+    scores = (q.to(plan.acc) @ k.to(plan.acc).transpose(-2, -1)) * plan.scale
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, -torch.inf)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
 from attnlab.parallel.layout import Layout
@@ -56,6 +57,28 @@ _CPU_FLASH = _Kernel(
 )
 
 
+def torch_engine_refusal(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why PyTorch's engine cannot take these chunks, or None when it can."""
+    if q.shape[1] != k.shape[1]:
+        return (
+            f"PyTorch's engine needs as many key/value heads ({k.shape[1]}) as query heads "
+            f"({q.shape[1]})"
+        )
+    if q.device.type == "cpu":
+        return None
+    if q.device.type != "cuda":
+        return f"PyTorch's engine runs on cpu or cuda tensors, got {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"PyTorch's CUDA flash kernel takes float16 or bfloat16, got {q.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim > 256 or head_dim % 8:
+        return f"PyTorch's CUDA flash kernel takes a head_dim multiple of 8 to 256, not {head_dim}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major < 8:
+        return f"PyTorch's CUDA flash kernel needs compute capability 8.0+, not {major}.{minor}"
+    return None
+
+
 def torch_ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,15 +88,8 @@ def torch_ring_attention(
     layout: Layout,
     group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """This rank's part of attention over the whole sequence through PyTorch's engine (shapes
-    already checked on every rank by ring_attention)."""
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"backend 'torch' needs as many key/value heads ({k.shape[1]}) as query heads "
-            f"({q.shape[1]}); backend 'attnlab' takes grouped-query heads"
-        )
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"backend 'torch' runs on cpu or cuda tensors, got {q.device.type}")
+    """This rank's part of attention over the whole sequence through PyTorch's engine
+    (arguments already checked on every rank, and torch_engine_refusal(q, k) is None)."""
     group = group if group is not None else dist.group.WORLD
     return _TorchRing.apply(q, k, v, causal, layout, group)
 
@@ -111,6 +127,7 @@ class _TorchRing(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         with _engine_options(ctx.causal, ctx.layout):
