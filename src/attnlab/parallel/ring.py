@@ -56,14 +56,14 @@ def ring_attention(
     "auto" takes "torch" on CUDA where its flash kernel applies, "attnlab" everywhere else.
     Differentiable once (a second derivative is refused)."""
     check_arguments(q, k, v, causal=causal, layout=layout, backend=backend, group=group)
-    if backend != "attnlab":
+    if backend == "torch" or (backend == "auto" and q.device.type == "cuda"):
         from attnlab.parallel.torch_ring import torch_engine_refusal, torch_ring_attention
 
         refusal = torch_engine_refusal(q, k)
-        if backend == "torch" and refusal is not None:
-            raise ValueError(f"backend 'torch': {refusal}; backend 'attnlab' takes these")
-        if refusal is None and (backend == "torch" or q.device.type == "cuda"):
+        if refusal is None:
             return torch_ring_attention(q, k, v, causal=causal, layout=layout, group=group)
+        if backend == "torch":
+            raise ValueError(f"backend 'torch': {refusal}; backend 'attnlab' takes these")
     return _RingAttention.apply(q, k, v, causal, layout, group)
 
 
