@@ -116,13 +116,8 @@ class _TorchRing(torch.autograd.Function):
                 group, 2, kernel.forward, q, k, v, is_causal=causal, dropout_p=0.0, scale=scale
             )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.causal, ctx.layout, ctx.group, ctx.scale = (
-            kernel,
-            causal,
-            layout,
-            group,
-            scale,
-        )
+        ctx.kernel, ctx.scale = kernel, scale
+        ctx.causal, ctx.layout, ctx.group = causal, layout, group
         ctx.forward_outputs = dict(zip(kernel.forward_outputs, rest, strict=False))
         return out
 
