@@ -70,3 +70,16 @@ def module_reference(m, x, context=None, allowed=None, rope_base=None):
     out = reference(q, k, v, allowed)  # (b, h, tq, hd)
     out = out.transpose(1, 2).reshape(b, tq, d_out)  # (b, tq, d_out)
     return torch.nn.functional.linear(out, m.out_proj.weight.double(), m.out_proj.bias.double())
+
+
+def decode(m, x, mask, chunks):
+    """Feed x through a cache in chunks of the given sizes (the last one repeated)."""
+    cache = m.make_cache(x.shape[0])
+    outputs, start, i = [], 0, 0
+    while start < x.shape[1]:
+        end = min(start + chunks[min(i, len(chunks) - 1)], x.shape[1])
+        step_mask = None if mask is None else mask[..., :end]  # keys: every position so far
+        outputs.append(m(x[:, start:end], mask=step_mask, cache=cache))
+        start, i = end, i + 1
+    assert cache.position == x.shape[1]
+    return torch.cat(outputs, dim=1)  # (b, t, d_out)

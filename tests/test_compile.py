@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnlab import MultiHeadAttention
+from tests.reference import decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 
@@ -62,15 +63,9 @@ def test_decoding_with_a_kv_cache(kwargs):
     module = MultiHeadAttention(32, 32, 64, 0.0, 4, **kwargs).eval()
     compiled = _compiled(module)
     x = torch.randn(2, 16, 32)
-    eager_cache, compiled_cache = module.make_cache(2, 32), module.make_cache(2, 32)
-    with torch.no_grad():
-        expected = [module(x[:, :6], cache=eager_cache)]
-        outs = [compiled(x[:, :6], cache=compiled_cache)]
-        for i in range(6, 16):
-            expected.append(module(x[:, i : i + 1], cache=eager_cache))
-            outs.append(compiled(x[:, i : i + 1], cache=compiled_cache))
-    torch.testing.assert_close(torch.cat(outs, 1), torch.cat(expected, 1), atol=1e-6, rtol=1e-5)
-    assert compiled_cache.position == eager_cache.position == 16
+    with torch.no_grad():  # a 6-token prompt, then one token at a time (positions checked)
+        expected, outs = (decode(m, x, None, chunks=[6, 1]) for m in (module, compiled))
+    torch.testing.assert_close(outs, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_inductor_end_to_end():

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnlab import KVCache, MultiHeadAttention, masks
-from tests.reference import module_reference, window_allowed
+from tests.reference import decode, module_reference, window_allowed
 
 seeds = st.integers(0, 2**31 - 1)
 
@@ -57,19 +57,6 @@ def build(c):
         keep = torch.arange(c["tokens"]) >= (c["tokens"] - lengths)[:, None]  # (b, t)
         mask = masks.padding_mask(keep)  # (b, 1, 1, t)
     return m, x, mask
-
-
-def decode(m, x, mask, chunks):
-    """Feed x through a cache in chunks of the given sizes (the last one repeated)."""
-    cache = m.make_cache(x.shape[0])
-    outputs, start, i = [], 0, 0
-    while start < x.shape[1]:
-        end = min(start + chunks[min(i, len(chunks) - 1)], x.shape[1])
-        step_mask = None if mask is None else mask[..., :end]  # keys: every position so far
-        outputs.append(m(x[:, start:end], mask=step_mask, cache=cache))
-        start, i = end, i + 1
-    assert cache.position == x.shape[1]
-    return torch.cat(outputs, dim=1)  # (b, t, d_out)
 
 
 @given(decoding_configs())
