@@ -66,7 +66,8 @@ def _describe(q, k, v, causal, layout, backend, error) -> list[int]:
     if error is not None:
         return [_UNKNOWN] * 17 + [1]
     shapes = [*q.shape, *k.shape, *v.shape]
-    device = _DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else 2
+    known = q.device.type in _DEVICE_TYPES
+    device = _DEVICE_TYPES.index(q.device.type) if known else len(_DEVICE_TYPES)  # "other"
     settings = [
         LAYOUTS.index(layout),
         int(causal),
@@ -92,19 +93,14 @@ def _same_everywhere(rows: list[tuple[int, ...]]) -> None:
         raise ValueError(f"q, k, v chunk shapes differ across ranks: {shapes}")
     settings = [row[12:17] for row in rows]
     if len(set(settings)) > 1:
+        devices = (*_DEVICE_TYPES, "other")
         named = [
-            (LAYOUTS[lay], bool(causal), BACKENDS[back], str(FLOAT_DTYPES[dtype]), where)
-            for lay, causal, back, dtype, where in named_devices(settings)
+            (LAYOUTS[lay], bool(causal), BACKENDS[back], str(FLOAT_DTYPES[dtype]), devices[where])
+            for lay, causal, back, dtype, where in settings
         ]
         raise ValueError(
             f"(layout, causal, backend, dtype, device type) differ across ranks: {named}"
         )
-
-
-def named_devices(settings):
-    """Settings rows with the device type's index replaced by its name."""
-    names = (*_DEVICE_TYPES, "other")
-    return [(*row[:4], names[row[4]]) for row in settings]
 
 
 def _shapes_fit(shapes: tuple[int, ...], layout: str) -> None:
