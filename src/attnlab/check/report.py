@@ -1,11 +1,12 @@
-"""The audit's report: one result per named property, passed, failed (what was observed and
-the likely causes, in plain words) or skipped (and why)."""
+"""The audit's report: one result per named property, passed, failed (a wrong result: what
+was observed and the likely causes, in plain words), warning (a loud limitation, such as a
+RuntimeError past the context length: not a wrong result) or skipped (and why)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+PASSED, FAILED, WARNING, SKIPPED = "passed", "failed", "warning", "skipped"
 
 
 @dataclass
@@ -43,6 +44,11 @@ class AuditReport:
         """Names of the failed properties."""
         return [result.name for result in self.results if result.failed]
 
+    @property
+    def warnings(self) -> list[str]:
+        """Names of the properties that gave a warning."""
+        return [result.name for result in self.results if result.status == WARNING]
+
     def __getitem__(self, name: str) -> PropertyResult:
         for result in self.results:
             if result.name == name:
@@ -51,7 +57,7 @@ class AuditReport:
 
     def to_dict(self) -> dict:
         """Plain data for --json, with `ok` and the failed names."""
-        return {**asdict(self), "ok": self.ok, "failed": self.failed}
+        return {**asdict(self), "ok": self.ok, "failed": self.failed, "warnings": self.warnings}
 
 
 def passed(name: str, title: str, observed: str = "") -> PropertyResult:
@@ -60,6 +66,10 @@ def passed(name: str, title: str, observed: str = "") -> PropertyResult:
 
 def failed(name: str, title: str, observed: str, causes: list[str]) -> PropertyResult:
     return PropertyResult(name, title, FAILED, observed, list(causes))
+
+
+def warning(name: str, title: str, why: str) -> PropertyResult:
+    return PropertyResult(name, title, WARNING, why)
 
 
 def skipped(name: str, title: str, why: str) -> PropertyResult:
