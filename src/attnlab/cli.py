@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attnlab import __version__
+from attnlab.check import cli as check_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="folder for the PNG heatmaps (default: %(default)s)",
     )
-    _add_check(commands)
+    check_cli.add_parser(commands)
     bench = commands.add_parser(
         "bench",
         help="measure attnlab's speed and memory against its peers",
@@ -108,65 +109,6 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
-def _add_check(commands) -> None:
-    check = commands.add_parser(
-        "check",
-        help="audit an attention module for leaks and bugs",
-        description="Import ClassName from FILE.py, build it with --init, and audit it: exit "
-        "0 when every applicable property passes, 1 when one fails, 2 for a usage error.",
-    )
-    check.add_argument("target", metavar="FILE.py:ClassName", help="the class to audit")
-    check.add_argument(
-        "--init",
-        metavar="JSON",
-        help='constructor arguments: an object for keywords ({"d_in": 3, ...}) or an array '
-        "for positional ones ([3, 2, 6, 0.0])",
-    )
-    check.add_argument(
-        "--causal",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="whether the module should be causal (default: --causal)",
-    )
-    check.add_argument("--d-in", type=int, metavar="N", help="input width (default: found)")
-    check.add_argument(
-        "--context-length", type=int, metavar="N", help="longest input (default: found)"
-    )
-    check.add_argument(
-        "--seed", type=int, default=0, help="torch seed for the weights (default: %(default)s)"
-    )
-    check.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """`attnlab check`: load the class (usage errors exit 2), audit, print, 0 or 1."""
-    import json
-
-    import torch
-
-    from attnlab.check import audit
-    from attnlab.check.loader import LoadError, load_factory
-    from attnlab.check.text import print_report
-
-    try:
-        _, factory = load_factory(args.target, args.init)
-        torch.manual_seed(args.seed)  # the same weights, the same report, every run
-        report = audit(
-            factory(),
-            causal=args.causal,
-            d_in=args.d_in,
-            context_length=args.context_length,
-            factory=factory,
-        )
-    except (LoadError, ValueError, TypeError) as error:
-        parser.error(f"check: {error}")
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print_report(report)
-    return 0 if report.ok else 1
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command named in `argv` (default: sys.argv); returns the exit status."""
     parser = build_parser()
@@ -181,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(parser, args)
     if args.command == "check":
-        return _check(parser, args)
+        return check_cli.run(args)
     parser.print_help()
     return 2
 
