@@ -1,0 +1,290 @@
+"""Causes that point at the line: the audited module's source, read with inspect and ast,
+for the classic attention bugs a behaviour (a leak, a NaN, a wrong output) can come from.
+
+find_suspects(module) reads the source of every class in the module's tree (once per class)
+and returns Suspects: a kind, the file and line, and a sentence naming the fix. The
+properties ask for the kinds consistent with what they observed (`explain`), so a report
+never advises about a masked_fill the module does not have.
+
+Kinds: masked_fill_discarded, softmax_dim, dropout_before_softmax, mask_offset (triu with
+diagonal >= 2, or tril with diagonal >= 1: future tokens visible), merge_without_transpose,
+split_without_transpose, sdpa_inverted_mask, sdpa_not_causal, uses_masked_fill.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """One line of the module's source that can cause a bug of `kind`."""
+
+    kind: str
+    file: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.text} ({self.file}:{self.line})"
+
+
+def find_suspects(module: nn.Module) -> list[Suspect]:
+    """Suspect lines in the source of the classes of `module` and its submodules (those
+    outside torch); none when the source cannot be read."""
+    found: list[Suspect] = []
+    seen: set[type] = set()
+    for sub in module.modules():
+        cls = type(sub)
+        if cls in seen or cls.__module__.startswith("torch."):
+            continue
+        seen.add(cls)
+        found += _class_suspects(cls)
+    return found
+
+
+def explain(suspects: list[Suspect], kinds: tuple[str, ...]) -> list[str]:
+    """The sentences of the suspects of those kinds, in the order of `kinds`."""
+    return [str(s) for kind in kinds for s in suspects if s.kind == kind]
+
+
+def has(suspects: list[Suspect], kind: str) -> bool:
+    """Whether the source holds a suspect of `kind` (e.g. uses_masked_fill)."""
+    return any(s.kind == kind for s in suspects)
+
+
+def _class_suspects(cls: type) -> list[Suspect]:
+    try:
+        lines, start = inspect.getsourcelines(cls)
+        file = inspect.getsourcefile(cls) or "<unknown>"
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return []  # defined in a REPL, compiled, or not Python source
+    where = _short(file)
+    visitor = _Visitor(where, start - 1)
+    visitor.visit(tree)
+    return visitor.found
+
+
+def _short(file: str) -> str:
+    path = Path(file)
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path.name
+
+
+_DROPOUT_NAMES = ("dropout", "drop")
+_TEXTS = {
+    "masked_fill_discarded": "masked_fill without the trailing underscore returns a new "
+    "tensor and this line throws it away: use masked_fill_, or assign the result",
+    "dropout_before_softmax": "dropout is applied to the scores before the softmax (a "
+    "dropped -inf becomes NaN, and the weights no longer sum to 1): apply it to the "
+    "attention weights after the softmax",
+    "sdpa_inverted_mask": "the boolean attn_mask given to F.scaled_dot_product_attention "
+    "is built from triu (True on the future), but SDPA reads True as 'may attend': pass "
+    "~mask, or is_causal=True",
+    "sdpa_not_causal": "F.scaled_dot_product_attention is called without is_causal=True "
+    "and without an attn_mask: nothing hides the future",
+    "merge_without_transpose": "the heads are merged with view/reshape straight from "
+    "(b, heads, tokens, head_dim), without transpose(1, 2) back to (b, tokens, heads, "
+    "head_dim) first",
+    "split_without_transpose": "the heads are split with view(b, heads, tokens, head_dim): "
+    "use view(b, tokens, heads, head_dim).transpose(1, 2)",
+}
+
+
+class _Visitor(ast.NodeVisitor):
+    """Walks a class's source in order, noting suspect calls and statements."""
+
+    def __init__(self, file: str, offset: int) -> None:
+        self.file, self.offset = file, offset
+        self.found: list[Suspect] = []
+        self.dropped: dict[str, int] = {}  # names assigned from a dropout of the scores
+        self.triu_names: set[str] = set()  # names (self.x too) holding a triu mask
+        self.head_outputs: set[str] = set()  # names holding weights @ values, untransposed
+
+    def add(self, kind: str, node: ast.AST, text: str | None = None) -> None:
+        self.found.append(Suspect(kind, self.file, node.lineno + self.offset, text or _TEXTS[kind]))
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self.dropped = {}
+        self.generic_visit(node)
+
+    def visit_Expr(self, node: ast.Expr) -> None:
+        if isinstance(node.value, ast.Call) and _method(node.value) == "masked_fill":
+            self.add("masked_fill_discarded", node)
+        self.generic_visit(node)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.generic_visit(node)  # the value reads the names as they were before
+        self._note_assignment(node.targets, node.value)
+
+    def _note_assignment(self, targets: list[ast.expr], value: ast.expr) -> None:
+        names = [_name(t) for t in targets]
+        calls = [_method(c) for c in ast.walk(value) if isinstance(c, ast.Call)]
+        if any(_is_dropout(c) for c in calls) and "softmax" not in calls:
+            self.dropped.update({n: value.lineno for n in names if n})
+        else:
+            for n in names:
+                self.dropped.pop(n, None)
+        if "triu" in calls:
+            self.triu_names.update(n for n in names if n)
+        transposed = any(c in ("transpose", "permute", "movedim", "swapaxes") for c in calls)
+        attended = _is_matmul(value) or "scaled_dot_product_attention" in calls
+        for n in names:
+            self.head_outputs.discard(n)
+            if n and attended and not transposed:
+                self.head_outputs.add(n)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        method = _method(node)
+        if method == "register_buffer" and len(node.args) >= 2:
+            calls = [_method(c) for c in ast.walk(node.args[1]) if isinstance(c, ast.Call)]
+            if "triu" in calls and isinstance(node.args[0], ast.Constant):
+                self.triu_names.add(f"self.{node.args[0].value}")
+        if method in ("triu", "tril"):
+            self._mask_offset(node, method)
+        elif method == "softmax":
+            self._softmax(node)
+        elif method in ("view", "reshape"):
+            self._reshape(node)
+        elif method == "scaled_dot_product_attention":
+            self._sdpa(node)
+        elif method in ("masked_fill", "masked_fill_"):
+            self.add("uses_masked_fill", node, "masked_fill")
+        self.generic_visit(node)
+
+    def _mask_offset(self, node: ast.Call, method: str) -> None:
+        diagonal = _keyword(node, "diagonal")
+        if diagonal is None and len(node.args) >= 2:
+            diagonal = node.args[1]
+        value = _int(diagonal) if diagonal is not None else 0
+        if value is None:
+            return
+        visible = value - 1 if method == "triu" else value  # future tokens each query sees
+        if visible >= 1:
+            text = (
+                f"{method}(..., diagonal={value}) lets each query see {visible} future "
+                f"token{'s' if visible > 1 else ''}: the causal mask is triu(..., diagonal=1) "
+                f"(or tril(..., diagonal=0) for the allowed part)"
+            )
+            self.add("mask_offset", node, text)
+
+    def _softmax(self, node: ast.Call) -> None:
+        dim = _keyword(node, "dim")
+        if dim is None and len(node.args) >= 2:
+            dim = node.args[1]
+        value = _int(dim) if dim is not None else None
+        if value is not None and value != -1:
+            text = (
+                f"softmax over dim={value}: the attention weights are normalised over the "
+                f"keys, the last dimension (dim=-1)"
+            )
+            self.add("softmax_dim", node, text)
+        inside = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        inside |= {_name(n) for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+        for name in inside & set(self.dropped):
+            line = self.dropped[name] + self.offset
+            self.found.append(
+                Suspect("dropout_before_softmax", self.file, line, _TEXTS["dropout_before_softmax"])
+            )
+        calls = [_method(c) for c in ast.walk(node) if isinstance(c, ast.Call) and c is not node]
+        if any(_is_dropout(c) for c in calls):
+            self.add("dropout_before_softmax", node)
+
+    def _reshape(self, node: ast.Call) -> None:
+        receiver = node.func.value if isinstance(node.func, ast.Attribute) else None
+        split = len(node.args) == 4 and not getattr(node, "_then_transposed", False)
+        if split and _mentions_heads(node.args[1]):
+            self.add("split_without_transpose", node)
+        while isinstance(receiver, ast.Call) and _method(receiver) == "contiguous":
+            receiver = receiver.func.value  # type: ignore[union-attr]
+        untransposed = _is_matmul(receiver) or _name(receiver) in self.head_outputs
+        if len(node.args) == 3 and untransposed:
+            self.add("merge_without_transpose", node)
+
+    def _sdpa(self, node: ast.Call) -> None:
+        mask = _keyword(node, "attn_mask")
+        if mask is None and len(node.args) >= 4:
+            mask = node.args[3]
+        causal = _keyword(node, "is_causal")
+        if mask is None or (isinstance(mask, ast.Constant) and mask.value is None):
+            if causal is None or (isinstance(causal, ast.Constant) and not causal.value):
+                self.add("sdpa_not_causal", node)
+            return
+        negated = any(
+            isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert | ast.Not)
+            for n in ast.walk(mask)
+        ) or any(
+            isinstance(c, ast.Call) and _method(c) in ("logical_not", "tril")
+            for c in ast.walk(mask)
+        )
+        names = {_name(n) for n in ast.walk(mask) if isinstance(n, ast.Name | ast.Attribute)}
+        calls = {_method(c) for c in ast.walk(mask) if isinstance(c, ast.Call)}
+        if not negated and ("triu" in calls or names & self.triu_names):
+            self.add("sdpa_inverted_mask", node)
+
+    def generic_visit(self, node: ast.AST) -> None:
+        # mark view/reshape calls whose result is transposed right away: x.view(...).transpose
+        if isinstance(node, ast.Call) and _method(node) in ("transpose", "permute"):
+            receiver = node.func.value if isinstance(node.func, ast.Attribute) else None
+            if isinstance(receiver, ast.Call) and _method(receiver) in ("view", "reshape"):
+                receiver._then_transposed = True  # type: ignore[attr-defined]
+        super().generic_visit(node)
+
+
+def _method(call: ast.Call) -> str:
+    """The called name: `softmax` for torch.softmax(...), x.softmax(...), F.softmax(...)."""
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return ""
+
+
+def _is_dropout(name: str) -> bool:
+    return any(part in name.lower() for part in _DROPOUT_NAMES)
+
+
+def _is_matmul(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+
+
+def _name(node: ast.AST) -> str:
+    """'x' for x, 'self.mask' for self.mask; '' for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return ""
+
+
+def _mentions_heads(node: ast.AST) -> bool:
+    names = {_name(n) for n in ast.walk(node)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+    return any("head" in n.lower() or n in ("h", "nh") for n in names if n)
+
+
+def _keyword(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def _int(node: ast.expr) -> int | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+    ):
+        return -node.operand.value
+    return None
