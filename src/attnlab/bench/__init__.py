@@ -1,4 +1,4 @@
-"""attnlab's benchmarks (no argument parsing here: that is attnlab.cli).
+"""attnlab's benchmarks (argument parsing is attnlab.bench.cli).
 
 compare: attnlab's module and attention core against their peers (the book's classes,
 nn.MultiheadAttention, a nanoGPT-style module, FlexAttention), forward and forward +
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -20,7 +21,6 @@ from rich.progress import Progress
 from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
 from attnlab.bench.memory import MemoryReport, memory_steps, run_memory
-from attnlab.bench.parallel import ParallelReport
 from attnlab.bench.report import (
     plot_compare,
     print_compare,
@@ -28,6 +28,9 @@ from attnlab.bench.report import (
     print_memory,
     write_json,
 )
+
+if TYPE_CHECKING:  # attnlab.parallel (torch.distributed) loads only for --parallel
+    from attnlab.bench.parallel import ParallelReport
 
 QUICK_DECODE = {"contexts": (32, 128), "layers": 2, "min_run_time": 0.02, "rounds": 1}
 

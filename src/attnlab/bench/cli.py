@@ -1,0 +1,259 @@
+"""`attnlab bench`: its options, and the checks run before anything is measured (the options
+against the mode, the output paths, and the memory the sizes need against the machine's).
+attnlab.cli only delegates here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from attnlab.bench import budget
+
+DTYPES = ("float32", "float16", "bfloat16")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# which bench options each mode takes (the comparison is the mode with no flag)
+BENCH_OPTIONS = {
+    "contexts": ("decode",),
+    "flex": ("compare",),
+    "device": ("compare", "memory"),
+    "dtype": ("compare", "memory"),
+    "tokens": ("compare", "parallel"),
+    "batch": ("compare",),
+    "plot": ("compare",),
+}
+DEFAULT_CONTEXTS = (256, 1024, 4096)
+PARALLEL_HEADS, PARALLEL_HEAD_DIM = 12, 64  # as attnlab.bench.parallel.run_parallel
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand and its options to `commands`; returns its parser."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure attnlab's speed and memory against its peers",
+        description="With no mode: compare attnlab's attention with its peers (the book's "
+        "classes, nn.MultiheadAttention, nanoGPT-style SDPA), forward and forward + backward.",
+    )
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--decode",
+        action="store_true",
+        help="token-by-token decoding: KV cache against recomputing, bytes per head layout, "
+        "time against the memory-bandwidth floor",
+    )
+    mode.add_argument(
+        "--memory",
+        action="store_true",
+        help="forward peak memory from 1k to 32k tokens, per implementation",
+    )
+    mode.add_argument(
+        "--parallel",
+        type=positive_int,
+        metavar="N",
+        help="ring attention over N CPU processes against one: per-rank memory, bytes sent",
+    )
+    bench.add_argument(
+        "--contexts",
+        type=positive_ints,
+        metavar="N,N,...",
+        help="context lengths for --decode (default: 256,1024,4096)",
+    )
+    bench.add_argument(
+        "--flex", action="store_true", help="also compare FlexAttention (compiled; slow to start)"
+    )
+    bench.add_argument("--device", choices=("cpu", "cuda"), help="where to run (default: cpu)")
+    bench.add_argument("--dtype", choices=DTYPES, help="parameters and inputs (default: float32)")
+    bench.add_argument(
+        "--tokens", type=positive_int, metavar="N", help="tokens per sequence (default: 1024)"
+    )
+    bench.add_argument(
+        "--batch", type=positive_int, metavar="N", help="sequences (default: 2 on cpu, 8 on cuda)"
+    )
+    bench.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    bench.add_argument("--plot", metavar="FILE", help="also draw the comparison as a PNG chart")
+    return bench
+
+
+def positive_int(text: str) -> int:
+    """'8' -> 8, for argparse; at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """'256,1024' -> [256, 1024], for argparse."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected integers >= 2 joined by commas, got {text!r}")
+    return values
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    """'compare', 'decode', 'memory' or 'parallel'."""
+    if args.parallel is not None:
+        return "parallel"
+    return "decode" if args.decode else "memory" if args.memory else "compare"
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`attnlab bench`: check everything (usage errors exit 2 through `parser`), then run."""
+    mode = mode_of(args)
+    _check_options(parser, args, mode)
+    _check_paths(parser, args)
+    import torch  # loads only for bench
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            f"--device cuda: no CUDA device is available to this torch ({torch.__version__})"
+        )
+    _check_memory(parser, args, mode)
+    return _run_mode(args, mode)
+
+
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, mode: str) -> None:
+    """Each option against the mode; --parallel's own constraints."""
+    if mode == "parallel" and args.parallel < 2:
+        parser.error(f"bench: --parallel needs at least 2 processes, got {args.parallel}")
+    for option, modes in BENCH_OPTIONS.items():
+        if getattr(args, option) not in (None, False) and mode not in modes:
+            allowed = " and ".join("the comparison" if m == "compare" else f"--{m}" for m in modes)
+            parser.error(f"bench: --{option} applies to {allowed} only")
+    if mode == "parallel":
+        tokens = parallel_tokens(args)
+        if tokens % (2 * args.parallel):
+            parser.error(
+                f"bench: --tokens {tokens} must divide by twice --parallel {args.parallel} "
+                f"(the zigzag layout cuts {2 * args.parallel} pieces)"
+            )
+
+
+def parallel_tokens(args: argparse.Namespace) -> int:
+    """--tokens, or the default for --parallel (64 per process with --quick, else 16384)."""
+    return args.tokens or (64 * args.parallel if args.quick else 16384)
+
+
+def _check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--json and --plot: a file (not a folder) in an existing folder this user may write."""
+    for option in ("json", "plot"):
+        path = getattr(args, option)
+        if path is None:
+            continue
+        problem = path_problem(Path(path))
+        if problem:
+            parser.error(f"--{option} {path!r}: {problem}")
+    if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
+        parser.error(f"--plot {args.plot!r}: the chart is a PNG, give a file name ending in .png")
+
+
+def path_problem(path: Path) -> str:
+    """Why the output file `path` cannot be written ('' when it can)."""
+    folder = path.parent
+    if path.is_dir():
+        return "is a folder, give a file name"
+    if not folder.is_dir():
+        return f"the folder {str(folder)!r} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {str(folder)!r} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file exists and is not writable"
+    return ""
+
+
+def estimate_bytes(args: argparse.Namespace, mode: str) -> tuple[int, str]:
+    """The peak memory the run needs (attnlab.bench.budget) and the options it comes from,
+    in words for the message."""
+    from attnlab.bench import QUICK_DECODE
+    from attnlab.bench.compare import DEFAULT, QUICK
+    from attnlab.bench.decode import GPT2_SMALL
+    from attnlab.bench.memory import DEFAULT_MAX_BYTES, MEMORY_LENGTHS, QUICK_MEMORY
+
+    itemsize = _ITEMSIZE[args.dtype or "float32"]
+    if mode == "decode":
+        contexts = args.contexts or (QUICK_DECODE["contexts"] if args.quick else DEFAULT_CONTEXTS)
+        layers = QUICK_DECODE["layers"] if args.quick else GPT2_SMALL["layers"]
+        needed = budget.decode_bytes(
+            max(contexts), d_model=GPT2_SMALL["d_model"], layers=layers, itemsize=itemsize
+        )
+        return needed, f"--decode --contexts {max(contexts)}"
+    if mode == "parallel":
+        tokens = parallel_tokens(args)
+        needed = budget.parallel_bytes(
+            args.parallel, tokens, d_model=PARALLEL_HEADS * PARALLEL_HEAD_DIM, itemsize=4
+        )
+        return needed, f"--parallel {args.parallel} --tokens {tokens}"
+    if mode == "memory":
+        lengths, limit = (
+            (QUICK_MEMORY["lengths"], QUICK_MEMORY["max_bytes"])
+            if args.quick
+            else (MEMORY_LENGTHS, DEFAULT_MAX_BYTES)
+        )
+        needed = max(
+            budget.memory_bytes(budget.Sizes(1, t, 768, 12, itemsize), max_bytes=limit)
+            for t in lengths
+        )
+        return needed, f"--memory up to {max(lengths)} tokens"
+    sizes = QUICK if args.quick else DEFAULT
+    batch = args.batch or (1 if args.quick else 8 if args.device == "cuda" else 2)
+    tokens = args.tokens or sizes["tokens"]
+    shape = budget.Sizes(batch, tokens, sizes["d_model"], sizes["num_heads"], itemsize)
+    needed = budget.compare_bytes(shape, matmul_size=sizes["matmul_size"])
+    return needed, f"--tokens {tokens} --batch {batch}"
+
+
+def _check_memory(parser: argparse.ArgumentParser, args: argparse.Namespace, mode: str) -> None:
+    """Refuse (exit 2) a run whose estimated peak exceeds the memory available where it runs."""
+    from attnlab.bench.memory import format_bytes
+
+    needed, options = estimate_bytes(args, mode)
+    available, where = _available(args.device if mode in ("compare", "memory") else None)
+    if available is not None and needed > available:
+        parser.error(
+            f"bench: {options} need about {format_bytes(needed)} of memory (estimated from the "
+            f"sizes), more than the {format_bytes(available)} available {where}; give smaller sizes"
+        )
+
+
+def _available(device: str | None) -> tuple[int | None, str]:
+    """Free bytes on the CUDA device for --device cuda, else the machine's available memory."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0], "on the CUDA device"
+    return budget.available_bytes(), "on this machine"
+
+
+def _run_mode(args: argparse.Namespace, mode: str) -> int:
+    """Run the checked mode; 0."""
+    import torch
+
+    from attnlab import bench  # rich and the timers load only here
+
+    if mode == "decode":
+        bench.decode_command(args.contexts, quick=args.quick, json_path=args.json)
+        return 0
+    if mode == "parallel":
+        tokens = parallel_tokens(args)
+        bench.parallel_command(args.parallel, tokens=tokens, json_path=args.json)
+        return 0
+    options = {
+        "device": args.device or "cpu",
+        "dtype": getattr(torch, args.dtype or "float32"),
+        "quick": args.quick,
+        "json_path": args.json,
+    }
+    if mode == "memory":
+        bench.memory_command(**options)
+        return 0
+    bench.compare_command(
+        **options, tokens=args.tokens, batch=args.batch, flex=args.flex, plot_path=args.plot
+    )
+    return 0
