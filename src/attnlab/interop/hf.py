@@ -8,28 +8,81 @@ register() adds "attnlab" to transformers' AttentionInterface, so
 attnlab.functional.attention, with masks in SDPA's boolean form (True = may attend, the
 polarity attnlab uses) and output_attentions supported.
 
+Right or refused, never silently wrong:
+
+- every keyword argument transformers passes is implemented, known to be carried elsewhere
+  (CARRIED, each with its reason), or refused with a ValueError naming it and the module
+  (NOT_YET: sinks, relative-position bias, softcapping, sparse key selection, paged caches);
+  an unknown keyword is refused too. `attention_arguments` is the one place that maps
+  transformers' keywords to attention()'s.
+- a model whose attention does not go through the interface (Bloom, GPT-J, Falcon, ...)
+  is refused when it is built or switched to attnlab (see `bypassing_classes`).
+
 Shapes from transformers: query (b, h, tq, d), key and value (b, hkv, tk, d) (grouped-query
 heads are passed unrepeated); the output goes back as (b, tq, h, d).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import sys
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from attnlab import functional
 from attnlab.attention import MultiHeadAttention
 
 NAME = "attnlab"
 
+# transformers' keywords attnlab need not act on: what each carries is already in the mask,
+# in query and key, or outside attention. Each one has a test: attnlab == eager with it.
+CARRIED = {
+    "position_ids": "rotary positions are applied to query and key before the call",
+    "sliding_window": "the window is already in the mask transformers builds",
+    "use_cache": "the module updates its key/value cache before the call",
+    "cache_position": "the module updates its key/value cache before the call",
+    "cu_seq_lens_q": "flash-attention's form of packed sequences, which the mask holds",
+    "cu_seq_lens_k": "flash-attention's form of packed sequences, which the mask holds",
+    "max_length_q": "flash-attention's form of packed sequences, which the mask holds",
+    "max_length_k": "flash-attention's form of packed sequences, which the mask holds",
+    "deterministic": "flash-attention's switch for a deterministic backward pass",
+    "output_hidden_states": "a model-level output flag",
+    "output_router_logits": "a model-level output flag",
+}
+
+# transformers' keywords that need an argument attention() does not have yet: refused when
+# they carry a value. Supporting one = removing it here and mapping it in attention_arguments.
+NOT_YET = {
+    "s_aux": "attention sinks (a learned per-head logit in the softmax's denominator)",
+    "sinks": "attention sinks (a logit in the softmax's denominator)",
+    "position_bias": "an additive relative-position bias on the attention scores",
+    "softcap": "attention-logit softcapping (softcap * tanh(scores / softcap))",
+    "indices": "sparse attention over the keys an indexer selected",
+    "block_indices": "block-sparse attention over the key blocks an indexer selected",
+    "cache": "a paged key/value cache to update (continuous batching)",
+}
+
 
 def register(name: str = NAME) -> str:
-    """Register attnlab's attention (and SDPA's boolean masks) under `name`; returns it."""
-    from transformers import AttentionInterface
+    """Register attnlab's attention (and SDPA's boolean masks) under `name` and guard
+    transformers' model construction against models that bypass the interface.
+
+    Args:
+        name: the attn_implementation name to register.
+
+    Returns:
+        `name`.
+    """
+    from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    _guard(PreTrainedModel)
     return name
 
 
@@ -44,27 +97,104 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' attention signature on attnlab.functional.attention. A mask from
-    transformers already holds the causal pattern; without one, a causal layer is causal
-    over its keys (bottom-right, as the queries are the newest tokens)."""
-    if kwargs.get("softcap") is not None:  # a sliding_window kwarg is already in the mask
-        raise ValueError("attnlab's attention does not support softcap (Gemma-2 style)")
+    """transformers' attention signature on attnlab.functional.attention.
+
+    Args:
+        module: the calling attention layer (its class names it in errors).
+        query: (b, h, tq, d).
+        key: (b, hkv, tk, d).
+        value: (b, hkv, tk, dv).
+        attention_mask: transformers' mask (it holds the causal pattern), or None.
+        dropout: dropout probability, applied while the module trains.
+        scaling: the score scale; None is 1 / sqrt(d).
+        is_causal: None reads the module's is_causal.
+        **kwargs: transformers' other keywords, each implemented, carried elsewhere or
+            refused (see attention_arguments).
+
+    Returns:
+        The output (b, tq, h, dv) and the weights (b, h, tq, tk) when transformers records
+        attentions, else None.
+
+    Raises:
+        ValueError: for a keyword attnlab does not support or does not know.
+    """
+    arguments = attention_arguments(module, query, key, attention_mask, kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
-    need_weights = bool(kwargs.get("output_attentions", False)) or _attentions_requested()
+    tk = key.shape[2]
+    if causal and tk > query.shape[2]:  # transformers' mask skip assumes SDPA's top-left
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]  # causal
+    need_weights = arguments.pop("need_weights")
     result = functional.attention(
         query,
         key,
         value,
-        mask=attention_mask,
         causal=causal,
         scale=scaling,
         dropout_p=dropout,
         training=module.training,
         need_weights=need_weights,
+        **arguments,
     )
     out, weights = result if need_weights else (result, None)
+    if weights is not None and weights.shape[-1] < tk:  # the cut keys weigh nothing
+        weights = F.pad(weights, (0, tk - weights.shape[-1]))  # (b, h, tq, tk)
     return out.transpose(1, 2).contiguous(), weights  # (b, h, tq, d) -> (b, tq, h, d)
+
+
+def attention_arguments(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict,
+) -> dict:
+    """attention()'s keyword arguments (mask, need_weights) for transformers' `kwargs`: the
+    one place a keyword is implemented, accepted as carried elsewhere (CARRIED) or refused.
+
+    Args:
+        module: the calling attention layer, named in errors.
+        query: (b, h, tq, d), for the shapes of future per-head arguments.
+        key: (b, hkv, tk, d).
+        attention_mask: transformers' mask or None.
+        kwargs: the keywords beyond attention_forward's named parameters.
+
+    Returns:
+        {"mask": ..., "need_weights": ...}.
+
+    Raises:
+        ValueError: naming the keyword and the module, for one in NOT_YET with a value or
+            one attnlab does not know.
+    """
+    for name, value in kwargs.items():
+        if name in CARRIED or name == "output_attentions":
+            continue
+        if name in NOT_YET:
+            if value is None:
+                continue
+            raise ValueError(
+                f"{_describe(module)} passes {name} ({NOT_YET[name]}), which attnlab's "
+                f"attention does not support yet: use attn_implementation='eager' for it"
+            )
+        raise ValueError(
+            f"{_describe(module)} passes the keyword argument {name!r}, which attnlab "
+            f"neither implements nor knows to be carried elsewhere; refused rather than "
+            f"ignored (transformers {_transformers_version()})"
+        )
+    need_weights = bool(kwargs.get("output_attentions", False)) or _attentions_requested()
+    return {"mask": attention_mask, "need_weights": need_weights}
+
+
+def _describe(module: nn.Module) -> str:
+    """'GptOssAttention (model type gpt_oss)': the module class and its model, for errors."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return type(module).__name__ + (f" (model type {model_type})" if model_type else "")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _attentions_requested() -> bool:
@@ -77,6 +207,125 @@ def _attentions_requested() -> bool:
     except (ImportError, AttributeError, LookupError):
         return False
     return isinstance(collected, dict) and "attentions" in collected
+
+
+_COMPUTES_ATTENTION = re.compile(r"softmax\(|scaled_dot_product_attention|flash_attn|baddbmm")
+_USES_INTERFACE = re.compile(r"ALL_ATTENTION_FUNCTIONS|attention_interface")
+_ATTENTION_CLASS = re.compile(r"Attention|Attn")
+
+
+def bypassing_classes(model: nn.Module) -> list[str]:
+    """The classes of `model`'s modules that compute attention themselves (a softmax, SDPA or
+    flash-attention call) instead of looking up transformers' attention interface: parts of
+    the model attn_implementation="attnlab" would not reach.
+
+    Args:
+        model: a built transformers model (any nn.Module).
+
+    Returns:
+        The class names, sorted; empty when all its attention goes through the interface.
+    """
+    classes = {type(sub) for sub in model.modules()}
+    return sorted(klass.__name__ for klass in classes if _computes_attention_itself(klass))
+
+
+@functools.cache
+def _computes_attention_itself(klass: type) -> bool:
+    """True for a transformers attention class (or one it inherits from) whose source
+    computes attention without the interface."""
+    chain = [
+        c
+        for c in klass.__mro__
+        if c.__module__.startswith("transformers.") and _ATTENTION_CLASS.search(c.__name__)
+    ]
+    source = "".join(_source(c) for c in chain)
+    return bool(_COMPUTES_ATTENTION.search(source)) and not _USES_INTERFACE.search(source)
+
+
+@functools.cache
+def _module_bypasses(module_name: str) -> tuple[str, ...]:
+    """Before a model is built: its modeling module's attention classes when no code there
+    looks up the interface (Bloom, GPT-J, Falcon: the whole model bypasses it)."""
+    module = sys.modules.get(module_name)
+    source = _source(module) if module is not None else ""
+    if _USES_INTERFACE.search(source):
+        return ()
+    classes = (obj for obj in vars(module).values() if isinstance(obj, type)) if module else ()
+    return tuple(
+        sorted(
+            klass.__name__
+            for klass in classes
+            if klass.__module__ == module_name
+            and issubclass(klass, nn.Module)
+            and _computes_attention_itself(klass)
+        )
+    )
+
+
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):  # built-in or source not shipped
+        return ""
+
+
+def _uses_attnlab(implementation: object) -> bool:
+    """True when an attn_implementation (a name, or a dict of them per sub-config) asks for
+    attnlab's attention_forward under any registered name."""
+    if isinstance(implementation, dict):
+        return any(_uses_attnlab(value) for value in implementation.values())
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return isinstance(implementation, str) and (
+        ALL_ATTENTION_FUNCTIONS.get(implementation) is attention_forward
+    )
+
+
+def _refuse(model_class: type, classes: tuple[str, ...] | list[str]) -> None:
+    if classes:
+        raise ValueError(
+            f"{model_class.__name__} computes attention in {', '.join(classes)} without "
+            f"transformers' attention interface, so attn_implementation='attnlab' would not "
+            f"run attnlab there and its masks would not fit: use 'eager' or 'sdpa' for it"
+        )
+
+
+def _guard(base: type) -> None:
+    """Wrap, once, the three places transformers takes an attention implementation for a
+    model (its check at construction, post_init, set_attn_implementation), so that asking a
+    model that bypasses the interface for attnlab raises instead of being ignored (or
+    crashing with KeyError: 'attnlab' inside transformers)."""
+    if getattr(base.post_init, "_attnlab_guard", False):
+        return
+    check, post_init, switch = (
+        base._check_and_adjust_attn_implementation,
+        base.post_init,
+        base.set_attn_implementation,
+    )
+
+    @functools.wraps(check)
+    def guarded_check(self, attn_implementation, *args, **kwargs):
+        if _uses_attnlab(attn_implementation):  # before any layer is built
+            _refuse(type(self), _module_bypasses(type(self).__module__))
+        return check(self, attn_implementation, *args, **kwargs)
+
+    @functools.wraps(post_init)
+    def guarded_post_init(self, *args, **kwargs):
+        post_init(self, *args, **kwargs)
+        if _uses_attnlab(self.config._attn_implementation):  # every layer is built
+            _refuse(type(self), bypassing_classes(self))
+
+    @functools.wraps(switch)
+    def guarded_switch(self, attn_implementation, *args, **kwargs):
+        if _uses_attnlab(attn_implementation):  # before anything changes
+            _refuse(type(self), _module_bypasses(type(self).__module__))
+            _refuse(type(self), bypassing_classes(self))
+        return switch(self, attn_implementation, *args, **kwargs)
+
+    guarded_post_init._attnlab_guard = True
+    base._check_and_adjust_attn_implementation = guarded_check
+    base.post_init = guarded_post_init
+    base.set_attn_implementation = guarded_switch
 
 
 def from_gpt2_attention(
@@ -99,6 +348,7 @@ def from_gpt2_attention(
 def to_gpt2_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Module:
     """Copy `module`'s weights into a GPT2Attention `layer` (same width and heads); returns
     the layer."""
+    _check_module(module)
     _check_gpt2(layer)
     fits = (
         module.fused
@@ -127,6 +377,7 @@ def from_llama_attention(
     """attnlab's MultiHeadAttention (rope, grouped-query heads) with the weights of a
     Llama-style attention layer: q_proj, k_proj, v_proj, o_proj. Its rotary embedding must
     be the default one (rope_theta, no scaling), which attnlab's rope equals."""
+    _check_llama(layer)
     config = layer.config
     _check_llama_rope(config)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -163,6 +414,8 @@ def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Modul
     """Copy `module`'s weights into a Llama-style attention `layer`; returns the layer. The
     module needs rope, the layer's head counts, and a zero out_proj bias when o_proj has
     none."""
+    _check_module(module)
+    _check_llama(layer)
     _check_llama_rope(layer.config)
     q, k, v = module.qkv_proj.weight.split([module.d_out, module.kv_dim, module.kv_dim])
     fits = (
@@ -198,8 +451,31 @@ def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Modul
 
 
 def _check_gpt2(layer: nn.Module) -> None:
-    if not hasattr(layer, "c_attn") or getattr(layer, "is_cross_attention", False):
-        raise TypeError(f"expected a GPT2Attention (self-attention), got {type(layer).__name__}")
+    fits = all(hasattr(layer, name) for name in ("c_attn", "c_proj", "embed_dim", "num_heads"))
+    if not fits or getattr(layer, "is_cross_attention", False):
+        raise TypeError(
+            f"layer must be a GPT2Attention (self-attention), got {type(layer).__name__}"
+        )
+
+
+_LLAMA_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "config", "head_dim")
+
+
+def _check_llama(layer: nn.Module) -> None:
+    missing = [name for name in _LLAMA_PARTS if not hasattr(layer, name)]
+    if missing or not all(isinstance(getattr(layer, n), nn.Linear) for n in _LLAMA_PARTS[:4]):
+        raise TypeError(
+            f"layer must be a Llama-style attention layer (Linear q_proj, k_proj, v_proj, "
+            f"o_proj, a config and head_dim), got {type(layer).__name__}"
+            + (f" without {', '.join(missing)}" if missing else "")
+        )
+
+
+def _check_module(module: object) -> None:
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(
+            f"module must be an attnlab.MultiHeadAttention, got {type(module).__name__}"
+        )
 
 
 def _rope_theta(config) -> float:
