@@ -8,7 +8,8 @@ never advises about a masked_fill the module does not have.
 
 Kinds: masked_fill_discarded, softmax_dim, dropout_before_softmax, mask_offset (triu with
 diagonal >= 2, or tril with diagonal >= 1: future tokens visible), merge_without_transpose,
-split_without_transpose, sdpa_inverted_mask, sdpa_not_causal, uses_masked_fill.
+split_without_transpose, sdpa_inverted_mask, sdpa_not_causal; and the facts source_read (a
+class whose source was read), uses_masked_fill, uses_sdpa.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _class_suspects(cls: type) -> list[Suspect]:
     where = _short(file)
     visitor = _Visitor(where, start - 1)
     visitor.visit(tree)
-    return visitor.found
+    return [Suspect("source_read", where, start, cls.__name__), *visitor.found]
 
 
 def _short(file: str) -> str:
@@ -87,9 +88,9 @@ _TEXTS = {
     "dropout_before_softmax": "dropout is applied to the scores before the softmax (a "
     "dropped -inf becomes NaN, and the weights no longer sum to 1): apply it to the "
     "attention weights after the softmax",
-    "sdpa_inverted_mask": "the boolean attn_mask given to F.scaled_dot_product_attention "
-    "is built from triu (True on the future), but SDPA reads True as 'may attend': pass "
-    "~mask, or is_causal=True",
+    "sdpa_inverted_mask": "the mask is inverted: the boolean attn_mask given to "
+    "F.scaled_dot_product_attention is built from triu (True on the future), but SDPA reads "
+    "True as 'may attend': pass ~mask, or is_causal=True",
     "sdpa_not_causal": "F.scaled_dot_product_attention is called without is_causal=True "
     "and without an attn_mask: nothing hides the future",
     "merge_without_transpose": "the heads are merged with view/reshape straight from "
@@ -159,6 +160,8 @@ class _Visitor(ast.NodeVisitor):
             self._sdpa(node)
         elif method in ("masked_fill", "masked_fill_"):
             self.add("uses_masked_fill", node, "masked_fill")
+        if method == "scaled_dot_product_attention":
+            self.add("uses_sdpa", node, "scaled_dot_product_attention")
         self.generic_visit(node)
 
     def _mask_offset(self, node: ast.Call, method: str) -> None:

@@ -15,8 +15,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from attnlab.check import causes as source
 from attnlab.check.probe import Probe
-from attnlab.check.report import PropertyResult, failed, passed, skipped
+from attnlab.check.report import PropertyResult, failed, passed, skipped, warning
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -81,6 +82,13 @@ def check_runs(probe: Probe, seed: int) -> tuple[PropertyResult, int | None]:
             longest = tokens
     if len(widths) > 1:
         problems.append(f"the output width changes with the input: {sorted(widths)}")
+    if longest is None and _runs_unbatched(probe, seed):
+        probe.__class__ = UnbatchedProbe  # every later property calls it one row at a time
+        why = (
+            "unbatched input only: (tokens, d_in) works, (batch, tokens, d_in) does not "
+            f"({problems[0]}); the other properties call it one row at a time"
+        )
+        return warning(name, TITLES[name], why), max(token_counts(probe))
     if not problems:
         return passed(name, TITLES[name], f"output (batch, tokens, {widths.pop()})"), longest
     causes = ["the forward fails or reshapes wrongly for some batch sizes or token counts"]
@@ -93,46 +101,120 @@ def check_runs(probe: Probe, seed: int) -> tuple[PropertyResult, int | None]:
     return failed(name, TITLES[name], "; ".join(problems[:4]), causes), longest
 
 
+class UnbatchedProbe(Probe):
+    """A probe on a module that takes (tokens, d_in), as the chapter's SelfAttention_v1/_v2:
+    a (batch, tokens, d_in) input is given one row at a time and the outputs stacked."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = [Probe.__call__(self, row) for row in x]  # each (tokens, d_out)
+        return torch.stack(rows)  # (batch, tokens, d_out)
+
+    def copy(self) -> Probe:
+        twin = Probe.copy(self)
+        twin.__class__ = UnbatchedProbe
+        return twin
+
+
+def _runs_unbatched(probe: Probe, seed: int) -> bool:
+    """Whether every token count runs as (tokens, d_in) -> (tokens, d_out)."""
+    for tokens in token_counts(probe):
+        try:
+            with torch.no_grad():
+                out = Probe.__call__(probe, probe.inputs(1, tokens, seed)[0])
+        except Exception:  # not unbatched either: the batched problems are the finding
+            return False
+        if out.dim() != 2 or out.shape[0] != tokens:
+            return False
+    return True
+
+
 def check_causal(probe: Probe, tokens: int, seed: int) -> PropertyResult:
     """Property 2: changing tokens after position p leaves outputs up to p unchanged."""
     name = "causal"
     if tokens < 2:
         return skipped(name, TITLES[name], "needs an input of at least 2 tokens that runs")
     x = probe.inputs(2, tokens, seed)
+    atol, rtol = tolerances(probe.dtype)
+    leaks = {}  # start -> (positions before it that changed, max |difference|)
     with torch.no_grad():
         out = probe(x)
+        if not torch.isfinite(out).all():
+            return _non_finite_leak(probe, out)
         for start in sorted({1, tokens // 2, tokens - 1}):
             changed = x.clone()
             changed[:, start:] = probe.inputs(2, tokens - start, seed + start)
-            after = probe(changed)[:, :start]
-            if not torch.isfinite(out).all() or not close(after, out[:, :start], probe.dtype):
-                return _leak(probe, out, (after - out[:, :start]).abs(), start)
-    return passed(name, TITLES[name], f"checked at {tokens} tokens")
+            diff = (probe(changed)[:, :start] - out[:, :start]).abs().nan_to_num(torch.inf)
+            moved = (diff > atol + rtol * out[:, :start].abs()).any(dim=(0, 2))  # (start,)
+            if moved.any():
+                leaks[start] = (moved.nonzero().flatten().tolist(), diff.max().item())
+    if not leaks:
+        return passed(name, TITLES[name], f"checked at {tokens} tokens")
+    return _leak(probe, leaks)
 
 
-def _leak(probe: Probe, out: torch.Tensor, diff: torch.Tensor, start: int) -> PropertyResult:
+def _non_finite_leak(probe: Probe, out: torch.Tensor) -> PropertyResult:
     name = "causal"
-    if not torch.isfinite(out).all():
-        rows = (~torch.isfinite(out)).any(dim=(0, 2)).nonzero().flatten().tolist()
-        observed = f"the output holds NaN or inf at positions {rows}: rows with every key masked"
-        if rows == [0]:
-            causes = [
-                "the mask hides the diagonal (a token must see itself): "
-                "torch.triu(..., diagonal=1), not diagonal=0"
-            ]
-        else:
-            causes = [
-                "the mask is inverted: torch.tril where torch.triu(..., diagonal=1) "
-                "belongs, or a boolean SDPA mask True where it should be False",
-                CAUSAL_CAUSES[0],
-            ]
-        return failed(name, TITLES[name], observed, causes)
-    position = int(diff.amax(dim=(0, 2)).argmax())
+    rows = (~torch.isfinite(out)).any(dim=(0, 2)).nonzero().flatten().tolist()
+    observed = f"the output holds NaN or inf at positions {rows}: rows with every key masked"
+    if rows == [0]:
+        causes = [
+            "the mask hides the diagonal (a token must see itself): "
+            "torch.triu(..., diagonal=1), not diagonal=0"
+        ]
+    else:
+        suspects = source.find_suspects(probe.module)
+        causes = source.explain(suspects, ("sdpa_inverted_mask", "masked_fill_discarded"))
+        causes = causes or [
+            "the mask is inverted: torch.tril where torch.triu(..., diagonal=1) "
+            "belongs, or a boolean SDPA mask True where it should be False",
+        ]
+    return failed(name, TITLES[name], observed, causes)
+
+
+def _leak(probe: Probe, leaks: dict[int, tuple[list[int], float]]) -> PropertyResult:
+    """A leak seen at some starts; one future token visible when only the position just
+    before each start moved (seen at a start of 2 or more, to tell it from a wider leak)."""
+    name = "causal"
+    suspects = source.find_suspects(probe.module)
+    start, (positions, gap) = max(leaks.items())
     observed = (
-        f"changing tokens {start} onward changed the output at position {position} "
-        f"(max |difference| {diff.max().item():.3g})"
+        f"changing tokens {start} onward changed the output at positions {positions[:6]} "
+        f"(max |difference| {gap:.3g})"
     )
-    return failed(name, TITLES[name], observed, CAUSAL_CAUSES)
+    one_ahead = start >= 2 and all(moved == [s - 1] for s, (moved, _) in leaks.items())
+    if one_ahead:
+        observed += ": each query sees the next token"
+        causes = source.explain(suspects, ("mask_offset",)) or [
+            "the mask is one diagonal too high: torch.triu(..., diagonal=2) where "
+            "diagonal=1 belongs (or tril(..., diagonal=1) for the allowed part)"
+        ]
+        return failed(name, TITLES[name], observed, causes)
+    return failed(name, TITLES[name], observed, leak_causes(suspects))
+
+
+_LEAK_KINDS = (
+    "masked_fill_discarded",
+    "sdpa_inverted_mask",
+    "sdpa_not_causal",
+    "mask_offset",
+    "dropout_before_softmax",
+)
+
+
+def leak_causes(suspects: list[source.Suspect]) -> list[str]:
+    """The causes of a leak: the suspect lines when the source has some, else the generic
+    causes that fit the calls the source makes (all of them when it cannot be read)."""
+    pointed = source.explain(suspects, _LEAK_KINDS)
+    if pointed:
+        return pointed
+    if not source.has(suspects, "source_read"):
+        return list(CAUSAL_CAUSES)
+    fits = []
+    if source.has(suspects, "uses_masked_fill"):
+        fits.append(CAUSAL_CAUSES[0])
+    if source.has(suspects, "uses_sdpa"):
+        fits += CAUSAL_CAUSES[1:3]
+    return fits + CAUSAL_CAUSES[3:]
 
 
 def check_batch_independent(probe: Probe, tokens: int, seed: int) -> PropertyResult:
@@ -163,7 +245,11 @@ def check_finite_gradients(probe: Probe, tokens: int, seed: int) -> PropertyResu
     name = "finite_gradients"
     probe = probe.copy()
     x = probe.inputs(2, tokens, seed).requires_grad_()
-    out = probe(x)
+    try:
+        out = probe(x)
+    except Exception as error:  # a loud limitation: no autograd through this forward here
+        why = f"no backward on this device: the forward with gradients raises {_describe(error)}"
+        return warning(name, TITLES[name], why)
     if not torch.isfinite(out).all():
         observed = f"{int((~torch.isfinite(out)).sum())} non-finite output values"
         causes = [
@@ -171,8 +257,15 @@ def check_finite_gradients(probe: Probe, tokens: int, seed: int) -> PropertyResu
             CAUSAL_CAUSES[1],
         ]
         return failed(name, TITLES[name], observed, causes)
+    if not out.requires_grad:
+        observed = "the output does not require grad: no gradient reaches the input or weights"
+        causes = ["the forward detaches its result, or computes it under torch.no_grad()"]
+        return failed(name, TITLES[name], observed, causes)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
-    (out * weights.to(out)).sum().backward()
+    try:
+        (out * weights.to(out)).sum().backward()
+    except Exception as error:  # a loud limitation, e.g. a kernel without a CPU backward
+        return warning(name, TITLES[name], f"no backward on this device: {_describe(error)}")
     params = [(n, p) for n, p in probe.module.named_parameters() if p.requires_grad]
     missing = [n for n, p in params if p.grad is None]  # a zero gradient can be right
     bad = [n for n, p in params if p.grad is not None and not torch.isfinite(p.grad).all()]
@@ -193,41 +286,137 @@ def check_finite_gradients(probe: Probe, tokens: int, seed: int) -> PropertyResu
 
 
 def check_dropout_modes(probe: Probe, tokens: int, seed: int) -> PropertyResult:
-    """Property 5: eval mode deterministic; train mode differs when dropout > 0."""
+    """Property 5: eval mode is deterministic, and train mode (dropout raised on a copy when
+    the module has none > 0) is right: finite outputs and gradients, dropout applied, the
+    mean over many dropout draws equal to the eval output (each row's expected weights
+    still sum to 1), and the eval output unchanged afterwards."""
     name = "dropout_modes"
-    x = probe.inputs(2, tokens, seed)
+    x = probe.inputs(2, min(tokens, _TRAIN_TOKENS), seed)
     with torch.no_grad():
         first, second = probe(x), probe(x)
-        if not torch.equal(first.nan_to_num(), second.nan_to_num()):
-            observed = "two calls in eval mode on the same input differ"
-            causes = [
-                "dropout applied in eval mode: F.dropout(..., training=True) or a dropout that "
-                "ignores self.training (use nn.Dropout, or pass training=self.training)",
-                "another source of randomness in the forward",
-            ]
-            return failed(name, TITLES[name], observed, causes)
-        rate = dropout_rate(probe.module)
-        if rate == 0.0:
-            return passed(name, TITLES[name], "deterministic in eval; no dropout > 0 to check")
-        probe.module.train()
-        # many weights, so that a small rate still drops some; fewer rows for long inputs
-        x = probe.inputs(max(2, 1024 // tokens), tokens, seed)
-        try:
-            differs = any(not torch.equal(probe(x), probe(x)) for _ in range(8))
-        finally:
-            probe.module.eval()
-    if differs:
-        return passed(name, TITLES[name], f"deterministic in eval; dropout {rate} in train")
-    observed = f"dropout is {rate} but two calls in train mode give the same output"
-    causes = ["the dropout module is created but never applied in the forward"]
-    return failed(name, TITLES[name], observed, causes)
+    if not torch.equal(first.nan_to_num(), second.nan_to_num()):
+        observed = "two calls in eval mode on the same input differ"
+        causes = [
+            "dropout applied in eval mode: F.dropout(..., training=True) or a dropout that "
+            "ignores self.training (use nn.Dropout, or pass training=self.training)",
+            "another source of randomness in the forward",
+        ]
+        return failed(name, TITLES[name], observed, causes)
+    trained = probe.copy()
+    rate = dropout_rate(trained.module)
+    raised = rate == 0.0 and set_dropout_rate(trained.module, _TRAIN_RATE)
+    if rate == 0.0 and not raised:
+        return passed(name, TITLES[name], "deterministic in eval; the module has no dropout")
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+        torch.manual_seed(seed)
+        return _train_mode(trained, x, first, rate or _TRAIN_RATE, raised)
+
+
+_TRAIN_RATE, _TRAIN_TOKENS, _BIAS_LIMIT = 0.3, 16, 16.0
+
+
+def _train_mode(
+    trained: Probe, x: torch.Tensor, expected: torch.Tensor, rate: float, raised: bool
+) -> PropertyResult:
+    """The train-mode half of property 5, on a copy, under a seeded random state."""
+    name = "dropout_modes"
+    how = f"dropout {rate}" + (" (raised from 0 on a copy)" if raised else "")
+    trained.module.train()
+    try:
+        draws, problem = _dropout_draws(trained, x)
+    except Exception as error:  # loud, not wrong
+        why = f"eval mode checked; train mode ({how}) raises {_describe(error)}"
+        return warning(name, TITLES[name], why)
+    if problem:
+        return failed(name, TITLES[name], f"train mode ({how}): {problem}", _nan_causes(trained))
+    if bool((draws == draws[0]).all()):
+        if raised:
+            return passed(name, TITLES[name], "deterministic in eval; no dropout applied")
+        observed = f"dropout is {rate} but every call in train mode gives the same output"
+        return failed(name, TITLES[name], observed, ["the dropout is created but never applied"])
+    mean, spread = draws.mean(0), draws.var(0).mean() / draws.shape[0]  # spread: SE²
+    bias = ((mean - expected) ** 2).mean() / spread.clamp_min(1e-30)
+    if bias > _BIAS_LIMIT:
+        observed = (
+            f"train mode ({how}): the mean of {draws.shape[0]} dropout draws differs from the "
+            f"eval output by up to {(mean - expected).abs().max().item():.3g} "
+            f"({bias.sqrt().item():.1f} standard errors): each row's expected weights do not "
+            f"sum to 1"
+        )
+        return failed(name, TITLES[name], observed, _bias_causes(trained))
+    trained.module.eval()
+    with torch.no_grad():
+        after = trained(x)
+    if not torch.equal(after.nan_to_num(), expected.nan_to_num()):
+        observed = "the eval output changed after calls in train mode"
+        causes = ["state updated in train mode (running statistics, a cache) is used in eval"]
+        return failed(name, TITLES[name], observed, causes)
+    observed = (
+        f"deterministic in eval; {how} in train: finite outputs and gradients, the mean of "
+        f"{draws.shape[0]} draws equals eval ({bias.sqrt().item():.1f} standard errors)"
+    )
+    return passed(name, TITLES[name], observed)
+
+
+def _dropout_draws(trained: Probe, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(draws (n, batch, tokens, d_out) of the train-mode output, a problem or '')."""
+    xg = x.clone().requires_grad_()
+    out = trained(xg)
+    if not torch.isfinite(out).all():
+        return out[None], f"{int((~torch.isfinite(out)).sum())} non-finite output values"
+    if out.requires_grad:
+        out.sum().backward()
+        grads = [p.grad for p in trained.module.parameters() if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in [*grads, xg.grad] if g is not None):
+            return out[None], "non-finite gradients"
+    n = 32 if isinstance(trained, UnbatchedProbe) else max(32, 4096 // x.shape[1])
+    with torch.no_grad():
+        many = trained(x.repeat(n, 1, 1))  # (n * batch, tokens, d_out): n dropout draws
+    many = many.view(n, *x.shape[:2], -1)  # (n, batch, tokens, d_out)
+    if not torch.isfinite(many).all():
+        return many, f"{int((~torch.isfinite(many)).sum())} non-finite values in {n} draws"
+    return many.double(), ""
+
+
+def _nan_causes(trained: Probe) -> list[str]:
+    suspects = source.find_suspects(trained.module)
+    return source.explain(suspects, ("dropout_before_softmax",)) or [
+        "dropout applied to the scores before the softmax: a dropped -inf becomes NaN "
+        "(-inf * 0); apply dropout to the attention weights after the softmax",
+        "a fully masked row in train mode only",
+    ]
+
+
+def _bias_causes(trained: Probe) -> list[str]:
+    suspects = source.find_suspects(trained.module)
+    return source.explain(suspects, ("dropout_before_softmax",)) or [
+        "dropout applied before the softmax or the mask (the expected weights change), or a "
+        "hand-written dropout without the 1/(1 - p) rescaling of the kept weights",
+    ]
+
+
+def set_dropout_rate(module: nn.Module, rate: float) -> bool:
+    """Set every nn.Dropout and float dropout attribute of `module` to `rate`; whether
+    there was any."""
+    found = False
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p, found = rate, True
+        for attribute in _DROPOUT_ATTRIBUTES:
+            if isinstance(vars(m).get(attribute), float):
+                setattr(m, attribute, rate)
+                found = True
+    return found
+
+
+_DROPOUT_ATTRIBUTES = ("dropout", "dropout_p", "attn_dropout", "attn_pdrop", "attention_dropout")
 
 
 def dropout_rate(module: nn.Module) -> float:
     """The largest dropout probability found: nn.Dropout modules or a float attribute."""
     rates = [m.p for m in module.modules() if isinstance(m, nn.Dropout)]
     for m in module.modules():
-        for attribute in ("dropout", "dropout_p", "attn_dropout", "attn_pdrop"):
+        for attribute in _DROPOUT_ATTRIBUTES:
             value = vars(m).get(attribute)
             if isinstance(value, float):
                 rates.append(value)
@@ -317,7 +506,8 @@ def check_state_dict(
         observed = f"load_state_dict into a fresh instance: {_describe(error)}"
         return failed(name, TITLES[name], observed, ["parameters created differently each time"])
     x = probe.inputs(2, tokens, seed)
-    other = Probe(fresh, probe.d_in, probe.context_length, probe.dtype, probe.takes_qkv)
+    other = copy.copy(probe)  # the same way of calling (unbatched too), on the fresh module
+    other.module = fresh
     with torch.no_grad():
         mine, theirs = probe(x), other(x)
     diff = (mine - theirs).abs().nan_to_num(0.0).max()
@@ -358,13 +548,12 @@ def check_long_input(probe: Probe, seed: int, causal: bool) -> PropertyResult:
             out = probe(x)
     except (ValueError, TypeError) as error:
         return passed(name, TITLES[name], f"clear error: {_describe(error)}")
-    except Exception as error:  # the finding: an internal error
-        observed = f"{limit + 1} tokens: {_describe(error)}"
-        causes = [
-            f"no check of the input length: raise ValueError when num_tokens > context_length "
-            f"({limit}); the mask buffer holds only context_length positions",
-        ]
-        return failed(name, TITLES[name], observed, causes)
+    except Exception as error:  # loud, not wrong: the chapter's deliberate limit
+        why = (
+            f"{limit + 1} tokens raise {_describe(error)}: a loud limit, not a wrong result; "
+            f"a ValueError naming num_tokens and context_length ({limit}) would be clearer"
+        )
+        return warning(name, TITLES[name], why)
     with torch.no_grad():
         prefix = probe(x[:, :limit])
     consistent = not causal or close(out[:, :limit], prefix, probe.dtype)
