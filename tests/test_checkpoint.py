@@ -105,7 +105,7 @@ def test_tensors_that_do_not_fit_the_config(tmp_path):
         ({"format": "attnlab.MultiHeadAttention", "config": "[1]"}, "not a JSON object"),
         (
             {"format": "attnlab.MultiHeadAttention", "config": '{"d_in": 8}'},
-            "does not build a module",
+            "config lacks 'd_out', 'context_length', 'dropout', 'num_heads'",
         ),
     ],
 )
@@ -125,7 +125,6 @@ def test_files_that_are_not_attnlab_checkpoints(tmp_path, metadata, message):
             ValueError,
             "end in",
         ),
-        (lambda p: attnlab.load(p / "missing.safetensors"), ValueError, "no such checkpoint"),
     ],
 )
 def test_bad_arguments(tmp_path, call, error, message):
@@ -138,3 +137,258 @@ def test_a_book_checkpoint_needs_num_heads(tmp_path):
     torch.save(book.MultiHeadAttention(6, 4, 10, 0.0, 2).state_dict(), path)
     with pytest.raises(TypeError, match="pass it"):
         attnlab.load(path)
+
+
+# --- the file is data: schema, tensor specs before allocation, checksum, argument errors ---
+
+FORMAT = "attnlab.MultiHeadAttention"
+
+
+def _saved(tmp_path, **config):
+    """A real attnlab file of a small module (rope unless told otherwise)."""
+    torch.manual_seed(3)
+    arguments = dict(d_in=8, d_out=8, context_length=12, dropout=0.0, num_heads=2, rope=True)
+    module = MultiHeadAttention(**{**arguments, **config}).eval()
+    return module, attnlab.save(module, tmp_path / "m.safetensors")
+
+
+def _rewrite(path, *, config=None, drop=(), tensors=None, metadata=None):
+    """Re-write `path` with config keys changed (None removes one), metadata keys dropped,
+    tensors replaced: what a hand edit does (the stored checksum is kept as it was)."""
+    with safe_open(str(path), framework="pt") as file:
+        stored = dict(file.metadata())
+        state = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+    edited = json.loads(stored["config"])
+    for key, value in (config or {}).items():
+        edited.pop(key) if value is None else edited.__setitem__(key, value)
+    stored["config"] = json.dumps(edited)
+    stored.update(metadata or {})
+    for key in drop:
+        stored.pop(key)
+    save_file({**state, **(tensors or {})}, str(path), metadata=stored)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("causal", "False", "'False'"),
+        ("rope", 1, "1"),
+        ("qkv_bias", None, None),  # removal is fine: a default; checked below by the checksum
+        ("d_in", 8.0, "8.0"),
+        ("d_in", True, "True"),
+        ("num_heads", 0, "0"),
+        ("context_length", -3, "-3"),
+        ("window", 0, "0"),
+        ("dropout", float("nan"), "nan"),
+        ("rope_base", float("inf"), "inf"),
+        ("backend", "fast", "'fast'"),
+        ("device", "meta", "'meta'"),
+        ("device", "cuda", "'cuda'"),
+        ("dtype", "float16", "'float16'"),
+        ("colour", "blue", "'blue'"),
+    ],
+)
+def test_a_config_value_off_the_schema_names_the_key_and_the_value(tmp_path, key, value, shown):
+    _, path = _saved(tmp_path)
+    _rewrite(path, config={key: value})
+    if shown is None:
+        with pytest.raises(ValueError, match="checksum"):
+            attnlab.load(path)
+        return
+    with pytest.raises(ValueError, match=rf"config\['{key}'\].*{shown}") as error:
+        attnlab.load(path)
+    if key in ("device", "dtype"):
+        assert "the caller says where they go" in str(error.value)
+
+
+def test_a_required_config_key_missing_is_named(tmp_path):
+    _, path = _saved(tmp_path)
+    _rewrite(path, config={"d_out": None})
+    with pytest.raises(ValueError, match=r"config lacks 'd_out'"):
+        attnlab.load(path)
+
+
+@pytest.mark.parametrize(("key", "value"), [("causal", False), ("rope", False), ("dropout", 0.5)])
+def test_an_edit_that_fits_the_schema_is_caught_by_the_checksum(tmp_path, key, value):
+    _, path = _saved(tmp_path)
+    _rewrite(path, config={key: value})
+    with pytest.raises(ValueError, match="checksum"):
+        attnlab.load(path)
+
+
+def test_a_claimed_size_fails_before_any_allocation_of_that_size(tmp_path):
+    resource = pytest.importorskip("resource")
+    _, path = _saved(tmp_path, rope=False)
+    claimed = {"d_in": 20000, "context_dim": 20000, "d_out": 10000}  # 2.8 GB to build
+    _rewrite(path, config=claimed)  # a file of 3.5 KB
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    shapes = r"tensor '\w+.weight' has shape \(\d+, 8\) in the file, .* \(\d+, \d+000\)"
+    with pytest.raises(ValueError, match=shapes):
+        attnlab.load(path)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 200 * 1024, f"peak memory grew by {grown} KiB"
+    petabytes = {"d_in": 10**7, "d_out": 10**7, "context_dim": 10**7}  # torch would refuse
+    _rewrite(path, config=petabytes)
+    with pytest.raises(ValueError, match="do not fit its config"):
+        attnlab.load(path)
+
+
+def test_rope_tables_larger_than_the_memory_are_refused_before_they_are_built(
+    tmp_path, monkeypatch
+):
+    _, path = _saved(tmp_path)
+    _rewrite(path, config={"context_length": 10**12})  # tables of 10^12 x 4 float32
+    with pytest.raises(ValueError, match=r"context_length \(1000000000000\).*rotary tables"):
+        attnlab.load(path)
+    _, path = _saved(tmp_path)  # a real file: loads, unless the machine had 1 MB free
+    monkeypatch.setattr(attnlab.checkpoint, "_available_bytes", lambda: 2**20)
+    _rewrite(path, config={"context_length": 100_000})
+    with pytest.raises(ValueError, match=r"context_length \(100000\)"):
+        attnlab.load(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.uint8])
+def test_integer_tensors_where_weights_belong_are_refused_not_cast(tmp_path, dtype):
+    module, path = _saved(tmp_path)
+    weight = module.out_proj.weight.detach()
+    _rewrite(path, tensors={"out_proj.weight": torch.ones_like(weight, dtype=dtype)})
+    with pytest.raises(ValueError, match=rf"'out_proj.weight'.*{str(dtype).split('.')[1]}"):
+        attnlab.load(path)
+
+
+def test_mixed_float_dtypes_are_refused_on_save_and_load_and_save_leaves_the_file(tmp_path):
+    module, path = _saved(tmp_path)
+    original = path.read_bytes()
+    module.out_proj.to(torch.float64)
+    with pytest.raises(ValueError, match="one dtype"):
+        attnlab.save(module, path)
+    assert path.read_bytes() == original
+    _rewrite(path, tensors={"out_proj.weight": module.out_proj.weight.detach()})
+    with pytest.raises(ValueError, match="one dtype"):
+        attnlab.load(path)
+
+
+def _data_start(path):
+    """Offset of the first tensor byte: after the 8-byte header length and the header."""
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def test_a_flipped_bit_in_the_tensor_data_is_a_checksum_error(tmp_path):
+    _, path = _saved(tmp_path, qkv_bias=True)
+    original = path.read_bytes()
+    start = _data_start(path)
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(start * 8, len(original) * 8, (24,), generator=generator)
+    for position in [start * 8, len(original) * 8 - 1, *positions.tolist()]:
+        data = bytearray(original)
+        data[position // 8] ^= 1 << (position % 8)
+        path.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match="checksum"):
+            attnlab.load(path)
+
+
+def test_a_flipped_bit_anywhere_in_the_file_is_an_error(tmp_path):
+    _, path = _saved(tmp_path)
+    original = path.read_bytes()
+    generator = torch.Generator().manual_seed(1)
+    header_bits = _data_start(path) * 8
+    for position in torch.randint(0, header_bits, (48,), generator=generator).tolist():
+        data = bytearray(original)
+        data[position // 8] ^= 1 << (position % 8)
+        path.write_bytes(bytes(data))
+        with pytest.raises(ValueError):
+            attnlab.load(path)
+
+
+def test_a_file_saved_before_checksums_loads_with_a_warning(tmp_path):
+    module, path = _saved(tmp_path)
+    _rewrite(path, drop=["checksum"])
+    with pytest.warns(UserWarning, match="no checksum"):
+        loaded = attnlab.load(path).eval()
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(loaded(x), module(x), atol=0, rtol=0)
+
+
+def test_the_loaded_module_is_on_the_cpu_with_the_files_tensors(tmp_path):
+    module, path = _saved(tmp_path)
+    loaded = attnlab.load(path)
+    tensors = [*loaded.parameters(), *loaded.buffers()]
+    assert all(t.device.type == "cpu" for t in tensors)
+    assert all(isinstance(p, torch.nn.Parameter) for p in loaded.parameters())
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    torch.testing.assert_close(loaded.rope.cos, module.rope.cos, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"W_query.weight": [[1.0, 2.0]]},
+        {"W_query.weight": torch.zeros(4, 6), "W_key.weight": "weights", "mask": torch.ones(3, 3)},
+        {"W_query.weight": torch.zeros(4, 6), "extra": 3},
+        ["W_query.weight"],
+    ],
+)
+def test_a_pth_whose_entries_are_not_tensors(tmp_path, state):
+    path = tmp_path / "book.pth"
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"not a tensor|not a state_dict"):
+        attnlab.load(path, num_heads=2)
+
+
+def test_an_integer_book_checkpoint_is_refused_not_cast(tmp_path):
+    state = book.MultiHeadAttention(6, 4, 10, 0.0, 2).state_dict()
+    state["W_key.weight"] = torch.ones(4, 6, dtype=torch.int32)
+    path = tmp_path / "book.pth"
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"'W_key.weight'.*int32"):
+        attnlab.load(path, num_heads=2)
+
+
+def test_a_production_state_dict_gets_a_hint_naming_the_function_that_fits(tmp_path):
+    module = MultiHeadAttention(8, 8, 12, 0.0, 2)
+    for name in ("m.pth", "m.safetensors"):
+        path = tmp_path / name
+        if name.endswith(".pth"):
+            torch.save(module.state_dict(), path)
+        else:
+            save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
+        with pytest.raises(ValueError, match=r"load_state_dict.*attnlab.save"):
+            attnlab.load(path, **({"num_heads": 2} if name.endswith(".pth") else {}))
+    path = tmp_path / "torch.pth"
+    torch.save(torch.nn.MultiheadAttention(8, 2).state_dict(), path)
+    with pytest.raises(ValueError, match=r"attnlab.interop.from_torch"):
+        attnlab.load(path, num_heads=2)
+
+
+@pytest.mark.parametrize("path", [123, 1.5, None, b"m.safetensors"])
+def test_load_of_a_non_path_is_a_type_error(path):
+    with pytest.raises(TypeError, match="path must be"):
+        attnlab.load(path)
+
+
+def test_a_missing_file_is_file_not_found(tmp_path):
+    for name in ("missing.safetensors", "missing.pth"):
+        with pytest.raises(FileNotFoundError, match="missing"):
+            attnlab.load(tmp_path / name)
+
+
+def test_a_bad_device_argument_is_a_value_error(tmp_path):
+    _, path = _saved(tmp_path)
+    with pytest.raises(ValueError, match="device"):
+        attnlab.load(path, device="nonsense")
+    with pytest.raises(TypeError, match="device"):
+        attnlab.load(path, device=3.5)
+
+
+def test_numpy_integers_in_the_config_are_saved_as_ints(tmp_path):
+    np = pytest.importorskip("numpy")
+    module = MultiHeadAttention(np.int64(8), np.int64(8), np.int32(12), 0.0, np.int64(2))
+    path = attnlab.save(module, tmp_path / "m.safetensors")
+    with safe_open(str(path), framework="pt") as file:
+        config = json.loads(file.metadata()["config"])
+    plain = MultiHeadAttention(8, 8, 12, 0.0, 2).config  # built from Python ints
+    assert config == plain
+    assert {k: type(v) for k, v in config.items()} == {k: type(v) for k, v in plain.items()}
+    assert attnlab.load(path).config == config
