@@ -36,17 +36,17 @@ def _qkv(b, hq, hkv, tq, tk, d, seed, dtype=torch.float32):
     return q, k, v
 
 
-def _forward_and_grads(backend, q, k, v, mask, seed=0):
+def _forward_and_grads(backend, q, k, v, mask, seed=0, causal=True):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = attention(q, k, v, mask=mask, causal=True, backend=backend)
+    out = attention(q, k, v, mask=mask, causal=causal, backend=backend)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype))
     return out, grads
 
 
-def _assert_matches_math(q, k, v, mask=None):
-    out, grads = _forward_and_grads("flash", q, k, v, mask)
-    ref_out, ref_grads = _forward_and_grads("math", q, k, v, mask)
+def _assert_matches_math(q, k, v, mask=None, causal=True):
+    out, grads = _forward_and_grads("flash", q, k, v, mask, causal=causal)
+    ref_out, ref_grads = _forward_and_grads("math", q, k, v, mask, causal=causal)
     torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=1e-5)
     for name, grad, ref in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, atol=ATOL, rtol=1e-5, msg=f"d{name}")
@@ -67,6 +67,20 @@ def _assert_matches_math(q, k, v, mask=None):
 )
 def test_equals_the_math_backend(b, hq, hkv, tq, tk, d):
     _assert_matches_math(*_qkv(b, hq, hkv, tq, tk, d, seed=tq + tk))
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "tq", "tk", "d"),
+    [(1, 2, 2, 1, 1, 8), (2, 4, 2, 70, 70, 16), (1, 2, 1, 9, 600, 8), (1, 2, 2, 300, 40, 16)],
+)
+def test_non_causal_equals_the_math_backend(b, hq, hkv, tq, tk, d):
+    """Without the causal cut the kernel reads every key (a window or a rolling cache passes
+    its own mask); with a padding mask, rows with no key give zeros here too."""
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, seed=tq * tk)
+    _assert_matches_math(q, k, v, causal=False)
+    keep = torch.ones(b, tk, dtype=torch.bool)
+    keep[0, : tk // 2] = False
+    _assert_matches_math(q, k, v, masks.padding_mask(keep), causal=False)
 
 
 def test_left_padding_with_fully_masked_rows():
@@ -118,8 +132,7 @@ def test_auto_uses_it_for_causal_float32_on_the_cpu():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(causal=False), "causal attention without dropout"),
-        (dict(dropout_p=0.1, training=True), "causal attention without dropout"),
+        (dict(dropout_p=0.1, training=True), "without dropout"),
         (dict(need_weights=True), "never materialises the weights"),
     ],
 )

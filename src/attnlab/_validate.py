@@ -130,3 +130,36 @@ def check_tokens(name: str, num_tokens: int, context_length: int) -> None:
 
 def _ranks(ndims: Sequence[int]) -> str:
     return " or ".join(f"{n}-D" for n in ndims)
+
+
+def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Return `t` if every value is finite, else raise ValueError naming the first bad index.
+
+    Skipped while compiling or exporting (a data-dependent branch) and for meta tensors.
+    """
+    if _values_unreadable(t):
+        return t
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        index = tuple(torch.nonzero(bad)[0].tolist())
+        raise ValueError(f"{name} has a non-finite value ({t[index].item()}) at index {index}")
+    return t
+
+
+def check_additive_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
+    """Return a float mask if its values are finite or -inf (blocked); NaN and +inf have no
+    meaning as an additive mask (NaN would be read as blocked, +inf makes the row NaN)."""
+    if mask.dtype == torch.bool or _values_unreadable(mask):
+        return mask
+    bad = torch.isnan(mask) | (mask == torch.inf)
+    if bool(bad.any()):
+        index = tuple(torch.nonzero(bad)[0].tolist())
+        raise ValueError(
+            f"{name} holds {mask[index].item()} at index {index}: an additive mask takes "
+            f"finite values, or -inf where a query may not attend"
+        )
+    return mask
+
+
+def _values_unreadable(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" or torch.compiler.is_compiling()

@@ -18,12 +18,11 @@ from torch import nn
 from attnlab import functional, masks
 from attnlab._validate import (
     check_bool,
-    check_broadcasts_to,
     check_divides,
     check_dropout,
+    check_finite,
     check_int,
     check_like_parameter,
-    check_mask_kind,
     check_tensor,
 )
 from attnlab.kv_cache import KVCache
@@ -73,15 +72,16 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": _check_device(device), "dtype": _check_dtype(dtype)}
         self.d_in = check_int("d_in", d_in)
         self.d_out = check_int("d_out", d_out)
         self.context_length = check_int("context_length", context_length)
         self.dropout = check_dropout("dropout", dropout)
         self.num_heads = check_int("num_heads", num_heads)
         check_divides("num_heads", num_heads, "d_out", d_out)
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        check_int("num_kv_heads", self.num_kv_heads)
+        self.num_kv_heads = check_int(
+            "num_kv_heads", self.num_heads if num_kv_heads is None else num_kv_heads
+        )
         check_divides("num_kv_heads", self.num_kv_heads, "num_heads", num_heads)
         self.qkv_bias = check_bool("qkv_bias", qkv_bias)
         self.causal = check_bool("causal", causal)
@@ -90,6 +90,7 @@ class MultiHeadAttention(nn.Module):
         if window is not None and not causal:
             raise ValueError(f"window ({window}) needs causal=True: it keeps the most recent keys")
         self.backend = functional.check_backend(backend)
+        self.rope_base = check_base(rope_base)  # kept in config even while rope is off
         self.rope = None
         if check_bool("rope", rope):
             if self.head_dim % 2 != 0:
@@ -98,7 +99,7 @@ class MultiHeadAttention(nn.Module):
                     f"{num_heads} = {self.head_dim})"
                 )
             self.rope = RotaryEmbedding(
-                self.head_dim, context_length, check_base(rope_base), device=device
+                self.head_dim, self.context_length, self.rope_base, device=factory["device"]
             )
         if self.fused:
             self.qkv_proj = nn.Linear(d_in, d_out + 2 * self.kv_dim, bias=qkv_bias, **factory)
@@ -139,7 +140,7 @@ class MultiHeadAttention(nn.Module):
             "causal": self.causal,
             "context_dim": self.context_dim,
             "rope": self.rope is not None,
-            "rope_base": self.rope.base if self.rope is not None else 10000.0,
+            "rope_base": self.rope_base,
             "window": self.window,
             "backend": self.backend,
         }
@@ -195,15 +196,39 @@ class MultiHeadAttention(nn.Module):
         x = self._check_input("x", x, self.d_in, batch=None)
         check_bool("need_weights", need_weights)
         start = self._start_position(x, context, cache)
-        if cache is not None and mask is not None:  # before the cache changes
-            shape = (x.shape[0], self.num_heads, x.shape[1], start + x.shape[1])
-            check_broadcasts_to("mask", check_mask_kind("mask", mask), shape, _CACHED_MASK)
+        if context is not None:
+            context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
+        mask = self._check_mask(mask, x, context, start)
+        functional.check_backend_call(
+            self.backend,
+            need_weights=need_weights,
+            dropout_p=self.dropout if self.training else 0.0,
+            dtype=x.dtype,
+            device=x.device,
+            head_dims=(self.head_dim,),
+            mask=mask,
+        )
+        if cache is None:
+            return self._attend(x, context, mask, need_weights, start, None)
+        with cache.transaction(x.shape[1]):  # a call that raises leaves the cache as it was
+            return self._attend(x, context, mask, need_weights, start, cache)
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        need_weights: bool,
+        start: int,
+        cache: KVCache | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """forward() after its checks: project, rotate, cache, attend, combine the heads."""
         q, k, v = self._project(x, context)
         if self.rope is not None and context is None:
             q, k = self.rope(q, start), self.rope(k, start)  # (b, h|hkv, tq, hd)
         key_positions = None
         if cache is not None:
-            k, v, key_positions = cache.update(k, v)  # (b, hkv, tk, hd): every token held
+            k, v, key_positions = cache.append(k, v)  # (b, hkv, tk, hd): every token held
         mask, causal = self._attention_mask(mask, q, k, start, key_positions, context is None)
         dropout_p = self.dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -214,7 +239,25 @@ class MultiHeadAttention(nn.Module):
         b, tq = x.shape[:2]
         out = out.transpose(1, 2).reshape(b, tq, self.d_out)  # (b, h, tq, hd) -> (b, tq, d_out)
         out = project(out, self.out_proj)  # (b, tq, d_out)
-        return (out, weights) if need_weights else out
+        if not need_weights:
+            return out
+        if key_positions is not None:  # a rolling cache's slots: back in position order
+            weights = _at_positions(weights, key_positions, start + tq)  # (b, h, tq, start+tq)
+        return out, weights
+
+    def _check_mask(
+        self,
+        mask: object,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        start: int,
+    ) -> torch.Tensor | None:
+        """The user's mask, checked against the scores it applies to: with a cache its keys
+        axis covers every position so far, with a context the context's tokens."""
+        keys = start + x.shape[1] if context is None else context.shape[1]
+        shape = (x.shape[0], self.num_heads, x.shape[1], keys)
+        what = _CACHED_MASK if start else "(batch, heads, queries, keys)"
+        return functional.check_mask(mask, shape, x.device, what)
 
     def _start_position(
         self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache | None
@@ -243,6 +286,10 @@ class MultiHeadAttention(nn.Module):
                 f"the cache was made for num_kv_heads={made_for[0]}, head_dim={made_for[1]}; "
                 f"this module has num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
             )
+        if (cache.dtype, cache.device) != (x.dtype, x.device):
+            raise TypeError(
+                f"the cache is {cache.dtype} on {cache.device} but x is {x.dtype} on {x.device}"
+            )
         if cache.batch_size != x.shape[0]:
             raise ValueError(
                 f"x has batch size {x.shape[0]} but the cache holds {cache.batch_size} sequences"
@@ -270,7 +317,7 @@ class MultiHeadAttention(nn.Module):
             return mask, False
         tq, tk = q.shape[2], k.shape[2]
         if key_positions is not None:  # a rolling cache: keys out of order
-            mask = _keys_at(mask, key_positions, (q.shape[0], q.shape[1], tq, start + tq))
+            mask = _keys_at(mask, key_positions)
             query_positions = torch.arange(start, start + tq, device=q.device)
             allowed = masks.position_mask(query_positions, key_positions, window=self.window)
             return masks.merge_masks(mask, allowed), False
@@ -291,7 +338,6 @@ class MultiHeadAttention(nn.Module):
         if context is None:
             qkv = self._split_heads(project(x, self.qkv_proj), -1)  # (b, h + 2 hkv, t, hd)
             return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
         q_weight, kv_weight, q_bias, kv_bias = self._split_projection()
         q = nn.functional.linear(x, q_weight, q_bias)
         kv = self._split_heads(nn.functional.linear(context, kv_weight, kv_bias), -1)
@@ -323,20 +369,47 @@ class MultiHeadAttention(nn.Module):
             name, x, ndims=(3,), layout=layout, last_dim=width, last_dim_name=width_name
         )
         check_like_parameter(name, x, self.out_proj.weight)
+        check_finite(name, x)
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"{name} has batch size {x.shape[0]} but x has {batch}")
         return x
 
 
-def _keys_at(
-    mask: torch.Tensor | None, key_positions: torch.Tensor, shape: tuple[int, ...]
-) -> torch.Tensor | None:
-    """The columns of a mask over every position so far (shape) for the keys held."""
+def _check_device(device: object) -> torch.device | None:
+    """`device` as a torch.device (None stays None: torch's default)."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, str or None, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a device torch knows: {error}") from None
+
+
+def _check_dtype(dtype: object) -> torch.dtype | None:
+    """`dtype` if it is a floating-point torch.dtype (or None: torch's default)."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+    return dtype
+
+
+def _keys_at(mask: torch.Tensor | None, key_positions: torch.Tensor) -> torch.Tensor | None:
+    """The columns of a (checked) mask over every position so far for the keys held."""
     if mask is None:
         return None
-    check_mask_kind("mask", mask)
-    check_broadcasts_to("mask", mask, shape, _CACHED_MASK)
     return mask if mask.shape[-1] == 1 else mask.index_select(-1, key_positions)
+
+
+def _at_positions(weights: torch.Tensor, key_positions: torch.Tensor, num: int) -> torch.Tensor:
+    """Weights over the keys held (b, h, tq, tk), in slot order, as weights over every
+    position so far (b, h, tq, num): the full forward's weights, 0 for keys left behind."""
+    full = weights.new_zeros((*weights.shape[:-1], num))  # (b, h, tq, num)
+    return full.index_copy(-1, key_positions, weights)
 
 
 def _book_state_dict_hook(module, state_dict, prefix, *_args) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from attnlab import masks
+from attnlab.strides import dense_rows
 
 _SOURCE = Path(__file__).with_name("csrc") / "causal_attention.cpp"
 _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT = 128, 512, 32  # rows, keys, diagonal rows per tile
@@ -81,41 +82,40 @@ def _vector_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Inputs the kernel handles: float32 CPU tensors, one head_dim for q, k and v."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.float32
-        and q.shape[-1] == k.shape[-1] == v.shape[-1]
-    )
+def supports(dtype: torch.dtype, device: torch.device, head_dims: tuple[int, ...]) -> bool:
+    """Inputs the kernel handles: float32 on the CPU, one head_dim for q, k and v."""
+    return device.type == "cpu" and dtype == torch.float32 and len(set(head_dims)) == 1
 
 
-def causal_attention(
+def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bias: torch.Tensor | None,
     scale: float,
+    causal: bool,
 ) -> torch.Tensor:
-    """Causal (bottom-right aligned) attention of q (b, hq, tq, d) over k, v (b, hkv, tk, d),
-    with an optional additive float bias broadcastable to (b, hq, tq, tk), -inf where a query
-    may not attend. A row with no key it may see gets zeros. Differentiable."""
-    return _CausalFlash.apply(q, k, v, bias, scale)
+    """Attention of q (b, hq, tq, d) over k, v (b, hkv, tk, d), causal (bottom-right
+    aligned, the masked work skipped) or not, with an optional additive float bias
+    broadcastable to (b, hq, tq, tk), -inf where a query may not attend. A row with no key
+    it may see gets zeros. Any strides (dense_rows copies what the kernel cannot read).
+    Differentiable."""
+    return _Flash.apply(q, k, v, bias, scale, causal)
 
 
-class _CausalFlash(torch.autograd.Function):
+class _Flash(torch.autograd.Function):
     """Forward: attnlab's kernel; backward: PyTorch's flash backward from its output and
     logsumexp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale):
-        q, k, v = (_features_contiguous(t) for t in (q, k, v))
+    def forward(ctx, q, k, v, bias, scale, causal):
+        q, k, v = (dense_rows(t) for t in (q, k, v))  # the rows BLAS can read
         mask = torch.empty(0) if bias is None else _broadcast_4d(bias, q, k)
         out, lse = torch.ops.attnlab.causal_flash_forward(
-            q, k, v, mask, scale, True, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
+            q, k, v, mask, scale, causal, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
         )
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.scale = scale
+        ctx.scale, ctx.causal = scale, causal
         return out
 
     @staticmethod
@@ -127,11 +127,13 @@ class _CausalFlash(torch.autograd.Function):
         if groups > 1:  # PyTorch's backward wants one key/value head per query head
             k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # (b, hq, tk, d)
         grad_out = grad_out.contiguous()
-        if tq == tk:
+        if ctx.causal and tq == tk:
             grads = _square_backward(grad_out, q, k, v, out, lse, mask, ctx.scale)
         else:  # PyTorch's is_causal is top-left aligned: pass the bottom-right mask instead
-            causal = masks.to_additive(masks.causal_mask(tq, tk, device=q.device))  # (tq, tk)
-            attn_mask = causal if not mask.numel() else mask + causal
+            attn_mask = mask if mask.numel() else None
+            if ctx.causal:
+                causal = masks.to_additive(masks.causal_mask(tq, tk, device=q.device))
+                attn_mask = causal if attn_mask is None else attn_mask + causal  # (.., tq, tk)
             grads = _FLASH_BACKWARD(
                 grad_out, q, k, v, out, lse, 0.0, False, attn_mask=attn_mask, scale=ctx.scale
             )
@@ -139,7 +141,7 @@ class _CausalFlash(torch.autograd.Function):
         if groups > 1:  # sum each key/value head's gradient over its query heads
             grad_k = grad_k.view(b, hkv, groups, tk, -1).sum(2)  # (b, hkv, tk, d)
             grad_v = grad_v.view(b, hkv, groups, tk, -1).sum(2)
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -171,10 +173,6 @@ def _square_backward(grad_out, q, k, v, out, lse, mask, scale):
         )
         grad_q[:, :, s:] += dq
     return grad_q, grad_k, grad_v
-
-
-def _features_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _broadcast_4d(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ gets zeros, never NaN, in forward and backward, on every backend.
 
 Backends: "math" (explicit softmax in float32, the reference, the only one that can return
 the weights), "sdpa" (torch.nn.functional.scaled_dot_product_attention) and "flash"
-(attnlab.flash_cpu: causal float32 attention on the CPU, skipping the masked half).
+(attnlab.flash_cpu: float32 attention on the CPU without dropout; causal, it skips the
+masked half).
 "auto" takes math when the weights are asked for or a few queries read a CPU KV cache
 (keys stored tokens-last, where its matrix products are faster), flash for causal float32
 CPU attention without dropout, and sdpa otherwise.
@@ -24,7 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from attnlab import flash_cpu, masks
-from attnlab._validate import check_broadcasts_to, check_dropout, check_mask_kind, check_tensor
+from attnlab._validate import (
+    check_additive_mask,
+    check_bool,
+    check_broadcasts_to,
+    check_dropout,
+    check_finite,
+    check_mask_kind,
+    check_tensor,
+)
+from attnlab.strides import dense_rows
 
 BACKENDS = ("auto", "math", "sdpa", "flash")
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -51,8 +61,11 @@ def attention(
     1 / sqrt(hd). The weights returned are the ones the output was computed with.
     """
     _check_qkv(q, k, v)
-    dropout_p = check_dropout("dropout_p", dropout_p) if training else 0.0
+    causal = check_bool("causal", causal)
+    need_weights = check_bool("need_weights", need_weights)
+    dropout_p = check_dropout("dropout_p", dropout_p) if check_bool("training", training) else 0.0
     scale = _check_scale(scale, q.shape[-1])
+    mask = check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     return attend(q, k, v, mask, causal, scale, dropout_p, need_weights, backend)
 
 
@@ -67,13 +80,13 @@ def attend(
     need_weights: bool,
     backend: str,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """attention() for a caller that built q, k, v itself (MultiHeadAttention): the same
-    result without re-checking q, k, v, scale and dropout_p, which decoding pays per token.
-    The mask is still checked (it comes from the user)."""
+    """attention() for a caller that checked its arguments itself (MultiHeadAttention):
+    the same result without re-checking q, k, v, the mask, scale and dropout_p, which
+    decoding would pay per token. The mask is 4-D here (check_mask makes it so)."""
     backend = _choose_backend(backend, need_weights, (q, k, v), causal, dropout_p, mask)
     allowed, bias = _split_mask(mask, q, k)
     if backend == "flash":
-        return flash_cpu.causal_attention(q, k, v, _additive(allowed, bias), scale)
+        return flash_cpu.attention(q, k, v, _additive(allowed, bias), scale, causal)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
     square = bool(q.shape[2] == k.shape[2])  # a plain bool under torch.export too
     sdpa_is_causal = backend == "sdpa" and causal and mask is None and square
@@ -122,8 +135,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):
     hq, hkv = q.shape[1], k.shape[1]
-    if k.stride(-1) != 1 or v.stride(-1) != 1:  # tokens-last (KV cache): features last for SDPA
-        k, v = k.contiguous(), v.contiguous()  # (b, hkv, tk, hd), copied
+    # tokens-last (KV cache), expanded, overlapping views: rows of features for SDPA's kernels
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
     gqa = {}
     if hq != hkv and _SDPA_HAS_GQA:
         gqa = {"enable_gqa": True}
@@ -148,10 +161,28 @@ def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):
     return out if row_has_key is None else out * row_has_key.to(out.dtype)
 
 
-def _split_mask(mask, q, k):
-    """(allowed bool or None, additive float bias with no -inf, or None) from the user mask."""
+def check_mask(
+    mask: object,
+    scores_shape: tuple[int, int, int, int],
+    device: torch.device,
+    what: str = "(batch, heads, queries, keys)",
+) -> torch.Tensor | None:
+    """The user's mask, checked, as a 4-D view broadcastable to `scores_shape`.
+
+    Args:
+        mask: None, a bool tensor (True where a query may attend) or an additive float
+            one (finite, -inf where a query may not attend); 1-D (keys), 2-D (queries,
+            keys) or 4-D. 3-D is refused as ambiguous.
+        scores_shape: the scores' shape (batch, heads, queries, keys).
+        device: the device of the queries.
+        what: the names of the scores' axes, for the message.
+
+    Raises:
+        TypeError: not a tensor, or neither bool nor floating point.
+        ValueError: 3-D, not broadcastable, on another device, or NaN / +inf values.
+    """
     if mask is None:
-        return None, None
+        return None
     check_mask_kind("mask", mask)
     if mask.dim() == 3:
         raise ValueError(
@@ -159,10 +190,17 @@ def _split_mask(mask, q, k):
             f"or (heads, queries, keys): give (queries, keys) or 4-D (batch, heads, queries, "
             f"keys) with 1 for a dimension it does not vary over"
         )
-    scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    check_broadcasts_to("mask", mask, scores_shape, "(batch, heads, queries, keys)")
-    if mask.device != q.device:
-        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    check_broadcasts_to("mask", mask, scores_shape, what)
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}")
+    check_additive_mask("mask", mask)
+    return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (1.., queries?, keys)
+
+
+def _split_mask(mask, q, k):
+    """(allowed bool or None, additive float bias with no -inf, or None) from a checked mask."""
+    if mask is None:
+        return None, None
     if mask.dtype == torch.bool:
         return mask, None
     allowed = mask > -torch.inf
@@ -172,6 +210,8 @@ def _split_mask(mask, q, k):
 def _check_qkv(q: object, k: object, v: object) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndims=(4,), layout="(batch, heads, tokens, head_dim)")
+        if t.shape[1] == 0 or t.shape[3] == 0:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} has no heads or no features")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
@@ -186,6 +226,8 @@ def _check_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(f"q head_dim ({q.shape[-1]}) must equal k head_dim ({k.shape[-1]})")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"key/value heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_finite(name, t)
 
 
 def _check_scale(scale: object, head_dim: int) -> float:
@@ -205,6 +247,45 @@ def check_backend(backend: object) -> str:
     return backend
 
 
+def check_backend_call(
+    backend: object,
+    *,
+    need_weights: bool,
+    dropout_p: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    head_dims: tuple[int, ...],
+    mask: torch.Tensor | None,
+) -> str:
+    """Return `backend` if it can run a call of this kind, else raise ValueError saying why.
+
+    Reads only the call's description (no tensor data), so a caller with state to change
+    (a KV cache) checks before it changes anything.
+    """
+    backend = check_backend(backend)
+    if need_weights and backend in ("sdpa", "flash"):
+        raise ValueError(
+            f"need_weights=True needs backend 'math' or 'auto': the {backend!r} backend "
+            f"never materialises the weights"
+        )
+    if backend != "flash":
+        return backend
+    if dropout_p > 0.0:
+        raise ValueError(f"backend 'flash' runs without dropout, got dropout_p={dropout_p}")
+    if not flash_cpu.supports(dtype, device, head_dims):
+        raise ValueError(
+            f"backend 'flash' takes float32 CPU tensors with one head_dim for q, k and v, got "
+            f"{dtype} on {device}, head_dims {list(head_dims)}: use 'auto'"
+        )
+    if mask is not None and mask.requires_grad:
+        raise ValueError(
+            "backend 'flash' gives no gradient to the mask, which requires grad: use 'auto'"
+        )
+    if not flash_cpu.available():
+        raise ValueError(f"backend 'flash' is unavailable here: {flash_cpu.load_error()}")
+    return backend
+
+
 def _choose_backend(
     backend: object,
     need_weights: bool,
@@ -213,24 +294,22 @@ def _choose_backend(
     dropout_p: float,
     mask: torch.Tensor | None,
 ) -> str:
-    backend = check_backend(backend)
     q, k, _ = qkv
-    trained_mask = isinstance(mask, torch.Tensor) and mask.requires_grad
-    if need_weights and backend in ("sdpa", "flash"):
-        raise ValueError(
-            f"need_weights=True needs backend 'math' or 'auto': the {backend!r} backend "
-            f"never materialises the weights"
-        )
-    if backend == "flash":
-        _check_flash(qkv, causal, dropout_p)
-        if trained_mask:
-            raise ValueError(
-                "backend 'flash' gives no gradient to the mask, which requires grad: use 'auto'"
-            )
+    head_dims = tuple(t.shape[-1] for t in qkv)
+    backend = check_backend_call(
+        backend,
+        need_weights=need_weights,
+        dropout_p=dropout_p,
+        dtype=q.dtype,
+        device=q.device,
+        head_dims=head_dims,
+        mask=mask,
+    )
     if backend != "auto":
         return backend
     if need_weights or _reads_cache_faster(q, k):
         return "math"
+    trained_mask = mask is not None and mask.requires_grad
     return "flash" if not trained_mask and _flash_helps(qkv, causal, dropout_p) else "sdpa"
 
 
@@ -238,32 +317,16 @@ def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) 
     """Causal float32 attention on the CPU with more than a few queries: attnlab's kernel
     skips the masked half that PyTorch's computes in part (when it could be built). Not
     under torch.compile, which traces SDPA into its own graph instead."""
+    q, k, _ = qkv
     return (
         causal
         and not torch.compiler.is_compiling()
         and dropout_p == 0.0
-        and qkv[0].shape[2] > 32
-        and qkv[1].shape[2] > 0
-        and flash_cpu.supports(*qkv)
+        and q.shape[2] > 32
+        and k.shape[2] > 0
+        and flash_cpu.supports(q.dtype, q.device, tuple(t.shape[-1] for t in qkv))
         and flash_cpu.available()
     )
-
-
-def _check_flash(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> None:
-    """Raise unless the 'flash' backend can run this call."""
-    if not causal or dropout_p > 0.0:
-        raise ValueError(
-            f"backend 'flash' computes causal attention without dropout, got causal={causal}, "
-            f"dropout_p={dropout_p}: use 'auto'"
-        )
-    if not flash_cpu.supports(*qkv):
-        q = qkv[0]
-        raise ValueError(
-            f"backend 'flash' takes float32 CPU tensors with one head_dim for q, k and v, got "
-            f"{q.dtype} on {q.device}, head_dims {[t.shape[-1] for t in qkv]}: use 'auto'"
-        )
-    if not flash_cpu.available():
-        raise ValueError(f"backend 'flash' is unavailable here: {flash_cpu.load_error()}")
 
 
 def _additive(allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -9,9 +9,16 @@ Layout: each buffer is stored (b, hkv, hd, capacity), tokens last, and shown as 
 (b, hkv, capacity, hd) view. Decoding one token reads the whole cache with a
 matrix-vector product per head, and with tokens last each product streams contiguous rows:
 on a CPU that reads memory about twice as fast as the (capacity, hd) layout.
+
+Writes are in place, except where autograd records them (keys or values that require grad,
+or buffers that already hold such): there a write makes new buffers, so that a backward
+through several cached calls finds the tensors it saved unchanged.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -118,12 +125,18 @@ class KVCache:
         those tokens attend to (b, hkv, tk, hd) and the absolute position of each key
         (tk,), or None when they are positions 0 .. tk - 1 in order."""
         self._check_new(k, v)
+        self.check_room(k.shape[2])
+        return self.append(k, v)
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """update() for a caller that has checked k, v and the room itself
+        (MultiHeadAttention checks its whole call before any state changes)."""
         n = k.shape[2]
-        self.check_room(n)
         start = self.position
         if not self.rolling:
-            self._keys_t.narrow(3, start, n).copy_(k.transpose(-2, -1))  # (b, hkv, hd, n)
-            self._values_t.narrow(3, start, n).copy_(v.transpose(-2, -1))
+            self._write(k, v, slots=None)
             self.position = start + n
             return self._held(start + n)
         if n == 1:  # the window's slots then hold exactly the keys this token may see
@@ -151,11 +164,59 @@ class KVCache:
 
     def _write_rolling(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         keep = min(k.shape[2], self.capacity)  # older tokens of the chunk would be overwritten
-        end = start + k.shape[2]
-        slots = torch.arange(end - keep, end, device=self.device) % self.capacity
-        self._keys_t.index_copy_(3, slots, k[:, :, -keep:].transpose(-2, -1))
-        self._values_t.index_copy_(3, slots, v[:, :, -keep:].transpose(-2, -1))
-        self.position = end
+        self._write(k[:, :, -keep:], v[:, :, -keep:], slots=self._slots(start, k.shape[2]))
+        self.position = start + k.shape[2]
+
+    def _slots(self, start: int, num: int) -> torch.Tensor:
+        """The slots tokens start .. start + num - 1 are written to (the last `capacity`)."""
+        end = start + num
+        keep = min(num, self.capacity)
+        return torch.arange(end - keep, end, device=self.device) % self.capacity
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, *, slots: torch.Tensor | None) -> None:
+        """Store k, v (b, hkv, n, hd) in `slots` (n,), or with None in the n slots from the
+        current position on (the position itself is the caller's to move)."""
+        new_keys, new_values = k.transpose(-2, -1), v.transpose(-2, -1)  # (b, hkv, hd, n)
+        if self._records_grad(k, v):  # new buffers: saved tensors stay as autograd saw them
+            if slots is None:
+                slots = torch.arange(self.position, self.position + k.shape[2], device=k.device)
+            self._keys_t = self._keys_t.index_copy(3, slots, new_keys)
+            self._values_t = self._values_t.index_copy(3, slots, new_values)
+        elif slots is None:  # consecutive slots: a plain copy
+            self._keys_t.narrow(3, self.position, k.shape[2]).copy_(new_keys)
+            self._values_t.narrow(3, self.position, k.shape[2]).copy_(new_values)
+        else:
+            self._keys_t.index_copy_(3, slots, new_keys)
+            self._values_t.index_copy_(3, slots, new_values)
+
+    def _records_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        return k.requires_grad or v.requires_grad or self._keys_t.requires_grad
+
+    @contextlib.contextmanager
+    def transaction(self, num_new: int) -> Iterator[None]:
+        """All or nothing: if the body raises after writing `num_new` tokens, the cache is
+        put back as it was (position, buffers and every held token), then the error goes on.
+
+        Args:
+            num_new: how many tokens the body appends.
+        """
+        position, keys_t, values_t = self.position, self._keys_t, self._values_t
+        slots = saved_keys = saved_values = None
+        if self.rolling:  # its writes overwrite held tokens: keep a copy of those slots
+            slots = self._slots(position, num_new)
+            saved_keys = keys_t.index_select(3, slots)  # (b, hkv, hd, n)
+            saved_values = values_t.index_select(3, slots)
+        try:
+            yield
+        except BaseException:
+            written_in_place = self._keys_t is keys_t
+            self.position, self._keys_t, self._values_t = position, keys_t, values_t
+            if slots is not None and written_in_place:
+                keys_t.index_copy_(3, slots, saved_keys)
+                values_t.index_copy_(3, slots, saved_values)
+            raise
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)

@@ -162,6 +162,12 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
               "causal_flash_forward: float32 only");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "causal_flash_forward: features must be contiguous");
+  // BLAS takes the token stride as its leading dimension: at least the row width, and an int.
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->stride(2) >= t->size(3) && t->stride(2) <= std::numeric_limits<int>::max(),
+                "causal_flash_forward: token stride ", t->stride(2), " must be in [head_dim (",
+                t->size(3), "), INT_MAX]");
+  }
   TORCH_CHECK(diag_split > 0 && diag_split <= kv_split && q_split > 0,
               "causal_flash_forward: bad block sizes");
   const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
