@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab import MultiHeadAttention, book, masks
+from attnlab import MultiHeadAttention, book, flash_cpu, masks
 from tests.properties import assert_batch_independent, assert_causal
 from tests.reference import module_reference
 
@@ -334,3 +334,61 @@ def test_three_dimensional_mask_is_refused_as_ambiguous():
     m, x = module(), torch.randn(4, 5, 4)
     with pytest.raises(ValueError, match=r"mask of shape \(4, 5, 5\) is 3-D"):
         m(x, mask=torch.ones(4, 5, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_the_flash_backend_runs_a_window(window):
+    """MultiHeadAttention(backend='flash', window=...) built, loaded and then raised on
+    every forward; it now runs, equal to the math backend, with and without a cache."""
+    if not flash_cpu.available():
+        pytest.skip("the CPU kernel is not built here")
+    torch.manual_seed(7)
+    flash = MultiHeadAttention(8, 16, 64, 0.0, 4, backend="flash", window=window).eval()
+    math_ = MultiHeadAttention(8, 16, 64, 0.0, 4, backend="math", window=window).eval()
+    math_.load_state_dict(flash.state_dict())
+    x = torch.randn(2, 50, 8)
+    with torch.no_grad():
+        expected = math_(x)
+        torch.testing.assert_close(flash(x), expected, atol=1e-5, rtol=1e-5)
+        cache = flash.make_cache(2, max_tokens=60)
+        steps = [flash(x[:, :30], cache=cache)] + [
+            flash(x[:, t : t + 1], cache=cache) for t in range(30, 50)
+        ]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            dict(dtype=torch.int64),
+            TypeError,
+            "dtype must be a floating-point dtype, got torch.int64",
+        ),
+        (dict(dtype="float16"), TypeError, "dtype must be a torch.dtype or None, got str"),
+        (dict(device="cpux"), ValueError, "device 'cpux' is not a device torch knows"),
+        (dict(device=1.5), TypeError, "device must be a torch.device, str or None, got float"),
+        (dict(rope_base=float("inf")), ValueError, "rope_base"),  # checked while rope is off
+        (dict(rope_base="big"), TypeError, "rope_base"),
+    ],
+)
+def test_constructor_refuses_bad_dtype_device_and_rope_base(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MultiHeadAttention(4, 8, 16, 0.0, 2, **kwargs)
+
+
+def test_numpy_integers_are_plain_ints_in_the_config():
+    """A config of numpy integers could not be saved as JSON; it is normalised at the door."""
+    np = pytest.importorskip("numpy")
+    m = MultiHeadAttention(np.int64(4), np.int64(8), np.int64(16), 0.0, np.int64(2), rope=True)
+    assert all(type(value) is int for value in m.config.values() if isinstance(value, int))
+    assert type(m.num_kv_heads) is int and m.config["rope_base"] == 10000.0
+    assert MultiHeadAttention(**m.config).config == m.config
+
+
+def test_a_non_finite_input_is_refused_naming_it():
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2)
+    x = torch.randn(1, 3, 4)
+    x[0, 2, 1] = torch.inf
+    with pytest.raises(ValueError, match=r"x has a non-finite value \(inf\) at index \(0, 2, 1\)"):
+        m(x)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlab import book, masks
+from attnlab import book, flash_cpu, masks
 from attnlab.functional import attention
 from tests.reference import reference
 
@@ -157,6 +157,17 @@ def test_half_precision_matches_float32():
         (dict(v=torch.randn(1, 2, 5, 8)), ValueError, "must agree in batch, heads and tokens"),
         (dict(k=torch.randn(1, 2, 4, 7), v=torch.randn(1, 2, 4, 8)), ValueError, "head_dim"),
         (dict(v=torch.randn(1, 2, 4, 8, dtype=torch.float64)), TypeError, "share a dtype"),
+        # flags are bools: the string "False" is truthy and once meant causal, dropout on
+        (dict(causal="False"), TypeError, r"causal must be a bool, got str \('False'\)"),
+        (dict(training="False"), TypeError, r"training must be a bool"),
+        (dict(need_weights="no"), TypeError, r"need_weights must be a bool"),
+        (
+            dict(dropout_p=2.0),
+            ValueError,
+            r"dropout_p must be in \[0, 1\), got 2.0",
+        ),  # not training
+        (dict(dropout_p="0.1"), TypeError, r"dropout_p must be a float"),
+        (dict(q=torch.randn(1, 4, 4, 0), k=torch.randn(1, 2, 4, 0)), ValueError, "no features"),
     ],
 )
 def test_bad_input(kwargs, error, message):
@@ -165,3 +176,55 @@ def test_bad_input(kwargs, error, message):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(error, match=message):
         attention(q, k, v, **args)
+
+
+def _qkv(seed=0, tq=6, tk=6):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(2, 4, tq, 8, generator=g),
+        torch.randn(2, 2, tk, 8, generator=g),
+        torch.randn(2, 2, tk, 8, generator=g),
+    )
+
+
+ALL_BACKENDS = ["math", "sdpa", "auto", "flash"]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_additive_mask_with_nan_or_plus_inf_is_refused(backend, bad):
+    """NaN was read as 'blocked' and +inf made the row NaN, differently per backend."""
+    q, k, v = _qkv()
+    mask = torch.zeros(6, 6)
+    mask[2, 3] = bad
+    with pytest.raises(ValueError, match=rf"mask holds {bad} at index \(2, 3\)"):
+        attention(q, k, v, mask=mask, causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_a_non_finite_input_is_refused_on_every_backend(backend, name):
+    """NaN in a future value once leaked into different rows on different backends: one
+    contract everywhere, a ValueError naming the tensor and the index."""
+    tensors = dict(zip("qkv", _qkv(), strict=True))
+    tensors[name][1, 0, 5, 3] = torch.nan
+    with pytest.raises(ValueError, match=rf"{name} has a non-finite value \(nan\) at index"):
+        attention(tensors["q"], tensors["k"], tensors["v"], causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_keys_mask_of_any_rank_works_on_every_backend(backend, causal):
+    """A 1-D (keys) and a 2-D (queries, keys) mask broadcast as documented on every backend
+    (1-D raised IndexError on sdpa and auto)."""
+    if backend == "flash" and not flash_cpu.available():
+        pytest.skip("the CPU kernel is not built here")
+    q, k, v = _qkv(1, tq=40, tk=40)
+    keys = torch.arange(40) % 3 != 0  # (tk,)
+    allowed = keys.expand(40, 40)
+    if causal:
+        allowed = allowed & masks.causal_mask(40, 40)
+    expected = reference(q.double(), k.double(), v.double(), allowed).to(q.dtype)
+    for mask in (keys, keys.expand(40, 40), keys.view(1, 1, 1, 40)):
+        out = attention(q, k, v, mask=mask, causal=causal, backend=backend)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -8,10 +8,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlab import KVCache, MultiHeadAttention, masks
+from attnlab import KVCache, MultiHeadAttention, flash_cpu, functional, masks
 from tests.reference import decode, module_reference, window_allowed
 
 seeds = st.integers(0, 2**31 - 1)
+BACKENDS = ["math", "sdpa", "auto"] + (["flash"] if flash_cpu.available() else [])
 
 
 @st.composite
@@ -32,7 +33,7 @@ def decoding_configs(draw):
         window=draw(st.one_of(st.none(), st.integers(1, 5))),
         pad=draw(st.booleans()),
         bias=draw(st.booleans()),
-        backend=draw(st.sampled_from(["math", "sdpa"])),
+        backend=draw(st.sampled_from(BACKENDS)),
     )
 
 
@@ -248,3 +249,114 @@ def test_bad_crop(position, window, crop_to, error, message):
     with pytest.raises(error, match=message):
         cache.crop(crop_to)
     assert cache.position == position
+
+
+def _state(cache):
+    """Everything a cached call may change: the position and the tokens held."""
+    held = cache.num_tokens
+    return cache.position, cache.keys[:, :, :held].clone(), cache.values[:, :, :held].clone()
+
+
+def _assert_state(cache, state):
+    position, keys, values = state
+    assert cache.position == position
+    assert torch.equal(cache.keys[:, :, : cache.num_tokens], keys)
+    assert torch.equal(cache.values[:, :, : cache.num_tokens], values)
+
+
+def _refused_calls(m):
+    """(name, call(m, cache, x)) for calls that must raise and change nothing."""
+    flash = MultiHeadAttention(4, 8, 16, 0.0, 2, backend="flash", window=m.window).double()
+    flash.load_state_dict(m.state_dict())
+    sdpa = MultiHeadAttention(4, 8, 16, 0.0, 2, backend="sdpa", window=m.window)
+    sdpa.load_state_dict(m.state_dict())
+    return [
+        ("need_weights on sdpa", lambda c, x: sdpa(x, need_weights=True, cache=c)),
+        ("flash on float64", lambda c, x: flash(x.double(), cache=c)),
+        ("mask shape", lambda c, x: m(x, mask=torch.ones(1, 1, 1, 2, dtype=torch.bool), cache=c)),
+        ("mask dtype", lambda c, x: m(x, mask=torch.ones(1, 1, 1, c.position + 1).int(), cache=c)),
+        ("overflow", lambda c, x: m(torch.randn(1, 17, 4), cache=c)),
+        ("batch", lambda c, x: m(x.expand(2, 1, 4), cache=c)),
+        ("x dtype", lambda c, x: m(x.double(), cache=c)),
+        ("x NaN", lambda c, x: m(x * torch.nan, cache=c)),
+    ]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_every_refused_cached_call_leaves_the_cache_as_it_was(window):
+    """Each error path of a cached call, before or after the write: position and tokens
+    bit-identical, and the retry equals the full forward (it once advanced the cache and
+    the retry was 0.09 off)."""
+    torch.manual_seed(3)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, window=window).eval()
+    x = torch.randn(1, 6, 4)
+    with torch.no_grad():
+        full = m(x)
+        for name, call in _refused_calls(m):
+            cache = m.make_cache(1)
+            m(x[:, :5], cache=cache)
+            state = _state(cache)
+            with pytest.raises((ValueError, TypeError)):
+                call(cache, x[:, 5:])
+            _assert_state(cache, state)
+            retry = m(x[:, 5:], cache=cache)
+            torch.testing.assert_close(retry, full[:, 5:], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_failure_after_the_write_is_rolled_back(window, monkeypatch):
+    """Whatever raises once the keys are written (here: the attention itself) leaves the
+    cache as it was: the transaction restores the position and the overwritten slots."""
+    torch.manual_seed(4)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, window=window).eval()
+    x = torch.randn(1, 8, 4)
+    with torch.no_grad():
+        full = m(x)
+        cache = m.make_cache(1)
+        m(x[:, :6], cache=cache)
+        state = _state(cache)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("out of memory")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(functional, "attend", broken)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                m(x[:, 6:], cache=cache)
+        _assert_state(cache, state)
+        torch.testing.assert_close(m(x[:, 6:], cache=cache), full[:, 6:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_cached_weights_are_the_full_forwards_in_position_order(window):
+    """A rolling cache holds keys in slot order; the weights come back over every position
+    so far, as the full forward's rows (0 for keys that left the window)."""
+    torch.manual_seed(5)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, window=window).eval()
+    x = torch.randn(2, 9, 4)
+    with torch.no_grad():
+        _, full = m(x, need_weights=True)
+        cache = m.make_cache(2)
+        start = 0
+        for size in (4, 1, 3, 1):
+            _, weights = m(x[:, start : start + size], need_weights=True, cache=cache)
+            expected = full[:, :, start : start + size, : start + size]
+            torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+            start += size
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_backward_through_two_cached_chunks_equals_the_full_forwards(window):
+    """Training through a cache: the second chunk's write does not break the first chunk's
+    backward (it once raised 'modified by an inplace operation'), and gradients equal the
+    full forward's."""
+    torch.manual_seed(6)
+    m = MultiHeadAttention(4, 8, 16, 0.0, 2, window=window, rope=True).train()
+    x = torch.randn(2, 7, 4)
+    target = torch.randn(2, 7, 8)
+    full_grads = torch.autograd.grad((m(x) * target).sum(), list(m.parameters()))
+    cache = m.make_cache(2)
+    out = torch.cat([m(x[:, :4], cache=cache), m(x[:, 4:], cache=cache)], dim=1)
+    grads = torch.autograd.grad((out * target).sum(), list(m.parameters()))
+    for grad, full_grad in zip(grads, full_grads, strict=True):
+        torch.testing.assert_close(grad, full_grad, atol=1e-5, rtol=1e-5)
