@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnlab.check.runner import user_code
+
 
 @dataclass
 class Probe:
@@ -24,10 +26,13 @@ class Probe:
     context_length: int | None
     dtype: torch.dtype
     takes_qkv: bool  # forward(query, key, value), as nn.MultiheadAttention
+    num_heads: int | None = None  # from --init or the module, when found
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The module's output for x (the first element when it returns a tuple)."""
-        out = self.module(x, x, x) if self.takes_qkv else self.module(x)
+        """The module's output for x (the first element when it returns a tuple); whatever
+        the module raises is marked as the module's (runner.user_code)."""
+        with user_code():
+            out = self.module(x, x, x) if self.takes_qkv else self.module(x)
         if isinstance(out, tuple | list) and out:
             out = out[0]
         if not isinstance(out, torch.Tensor):
@@ -36,8 +41,9 @@ class Probe:
 
     def copy(self) -> Probe:
         """The same probe on a deep copy of the module (for checks that change it)."""
+        module = copy.deepcopy(self.module)
         return Probe(
-            copy.deepcopy(self.module), self.d_in, self.context_length, self.dtype, self.takes_qkv
+            module, self.d_in, self.context_length, self.dtype, self.takes_qkv, self.num_heads
         )
 
     def inputs(self, batch: int, tokens: int, seed: int) -> torch.Tensor:
@@ -52,21 +58,57 @@ class Probe:
         return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def make_probe(module: nn.Module, d_in: int | None, context_length: int | None) -> Probe:
-    """A Probe on a copy of `module`, with d_in and context_length found when not given."""
+def make_probe(
+    module: nn.Module,
+    d_in: int | None,
+    context_length: int | None,
+    num_heads: int | None = None,
+) -> Probe:
+    """A Probe on a copy of `module`, with d_in and context_length found when not given.
+
+    Args:
+        module: the attention module.
+        d_in: its input width, or None to read it from the module.
+        context_length: its longest input, or None to read it from the module (may stay None).
+        num_heads: its head count, or None to read it from the module (may stay None).
+
+    Returns:
+        The Probe.
+
+    Raises:
+        TypeError: module is not an nn.Module.
+        ValueError: d_in is None and cannot be read from the module.
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     d_in = d_in if d_in is not None else infer_d_in(module)
     if d_in is None:
         raise ValueError(
             f"could not find the input width of {type(module).__name__} (no d_in attribute, "
-            f"W_query, qkv_proj, in_proj_weight or nn.Linear): pass d_in"
+            f"W_query, qkv_proj, in_proj_weight or nn.Linear): pass d_in (--d-in N)"
         )
     if context_length is None:
         context_length = infer_context_length(module)
     floating = [p for p in module.parameters() if p.is_floating_point()]
     dtype = floating[0].dtype if floating else torch.float32
-    return Probe(copy.deepcopy(module), d_in, context_length, dtype, _takes_qkv(module))
+    if num_heads is None:
+        num_heads = infer_num_heads(module)
+    with user_code():  # deepcopy runs the module's __deepcopy__/__reduce__, if it has one
+        private = copy.deepcopy(module)
+    return Probe(private, d_in, context_length, dtype, _takes_qkv(module), num_heads)
+
+
+_HEADS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+
+
+def infer_num_heads(module: nn.Module) -> int | None:
+    """The head count from the usual attribute names, on the module or its config."""
+    for owner in (module, getattr(module, "config", None)):
+        for name in _HEADS:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def infer_d_in(module: nn.Module) -> int | None:
@@ -89,9 +131,15 @@ _LENGTHS = ("context_length", "block_size", "n_positions", "max_position_embeddi
 
 
 def infer_context_length(module: nn.Module) -> int | None:
-    """context_length from an attribute (the book's, nanoGPT's, GPT-2's names), or the size
-    of a square mask buffer (its last two dimensions: nanoGPT's `bias` is (1, 1, T, T))."""
+    """context_length from an attribute (the book's, nanoGPT's, GPT-2's names, on a module
+    or its HF-style `config`), or the size of a square mask buffer (its last two dimensions:
+    nanoGPT's `bias` is (1, 1, T, T))."""
     for candidate in module.modules():
+        config = getattr(candidate, "config", None)
+        for name in _LENGTHS:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
         for name in _LENGTHS:
             value = getattr(candidate, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
