@@ -301,6 +301,15 @@ def test_a_flipped_bit_anywhere_in_the_file_is_an_error(tmp_path):
             attnlab.load(path)
 
 
+def test_a_damaged_checksum_key_is_not_taken_for_an_old_file(tmp_path):
+    _, path = _saved(tmp_path)
+    data = path.read_bytes()
+    assert data.count(b'"checksum"') == 1
+    path.write_bytes(data.replace(b'"checksum"', b'"chdcksum"'))  # one flipped bit
+    with pytest.raises(ValueError, match=r"unknown metadata keys.*chdcksum"):
+        attnlab.load(path)
+
+
 def test_a_file_saved_before_checksums_loads_with_a_warning(tmp_path):
     module, path = _saved(tmp_path)
     _rewrite(path, drop=["checksum"])

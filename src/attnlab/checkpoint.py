@@ -59,6 +59,7 @@ _SAFETENSORS_DTYPES = {  # the header's names, as torch names them
     "I32": "int32",
     "I64": "int64",
 }
+_METADATA_KEYS = ("format", "config", "version", "checksum")
 _REQUIRED = ("d_in", "d_out", "context_length", "dropout", "num_heads")
 _CALLER_KEYS = ("device", "dtype")
 _ROPE_BYTES_PER_ENTRY = 24  # rotary_tables' float64 angles, cos/sin and float32 copies
@@ -471,6 +472,11 @@ def _read_config(path: Path, metadata: Mapping[str, str], specs: Mapping) -> dic
         raise ValueError(f"{str(path)!r}: its config metadata is missing or not JSON") from error
     if not isinstance(config, dict):
         raise ValueError(f"{str(path)!r}: its config metadata is not a JSON object")
+    unknown = sorted(set(metadata) - set(_METADATA_KEYS))
+    if unknown:  # e.g. a damaged "checksum" key, which must not pass for an old file
+        raise ValueError(
+            f"{str(path)!r}: unknown metadata keys {unknown} (known: {list(_METADATA_KEYS)})"
+        )
     return config
 
 
@@ -478,7 +484,7 @@ def _verify_checksum(where: str, metadata: Mapping[str, str], tensors: Mapping) 
     stored = metadata.get("checksum")
     if stored is None:
         warnings.warn(
-            f"{where} has no checksum (saved by attnlab before 0.2): loaded without "
+            f"{where} has no checksum (saved before attnlab wrote them): loaded without "
             f"verifying its bytes; attnlab.save(attnlab.load(path), path) adds one",
             UserWarning,
             stacklevel=4,
