@@ -1,20 +1,34 @@
 """Property 9: the output equals the reference computation with the module's own weights,
-when they follow a known layout: the book's W_query/W_key/W_value (nn.Linear, or
-nn.Parameter used as x @ W) with an optional out_proj and num_heads, the book's wrapper (a
-`heads` list of such modules), PyTorch's in_proj_weight, or attnlab's MultiHeadAttention.
+in a layout the check finds itself.
 
-On a mismatch the reference is recomputed with each classic bug (no 1/sqrt(d) scale, the
-scale of d_out instead of head_dim, softmax over the queries, heads split with view and no
-transpose, no mask) and the report names the ones that reproduce what the module computed.
+The projections are the module's nn.Linear layers, GPT-2 Conv1D layers and 2-d parameters
+used as x @ W (the book's SelfAttention_v1), whatever their names. The check tries role
+assignments (query, key, value, output; one fused layer split in three, grouped-query widths
+with any number of key/value heads; a query layer beside a fused key/value one; a latent
+down-then-up projection; with or without an output projection; a list of head submodules
+followed by an output projection) and head counts, and reports the one that reproduces the
+output. Layer names (`W_query`, `to_k`, `wv`, `qkv`, `c_proj`, ...) say which assignment the
+author meant: an output equal only under another (keys and values swapped, an output
+projection never applied) is a bug. On no match the reference is recomputed with each
+classic bug (a missing or wrong scale, softmax over the queries, heads split or merged
+without a transpose, no mask, a mask off by one diagonal, an inverted mask) and the report
+names the ones that reproduce the module, with the suspect line of its source. A sliding
+window is detected and reported, not flagged. PyTorch's in_proj_weight and attnlab's own
+MultiHeadAttention have fixed layouts.
+
+Shapes: b batch, t tokens, h query heads, g key/value heads, hd head width, hv value width.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from attnlab.check import causes as source
 from attnlab.check.probe import Probe
 from attnlab.check.properties import tolerances
 from attnlab.check.report import PropertyResult, failed, passed, skipped
@@ -23,8 +37,11 @@ NAME, TITLE = "reference", "equals the reference computation with the same weigh
 BUGS = {
     "no_scale": "the 1/sqrt(head_dim) scale is missing: divide the scores by "
     "keys.shape[-1] ** 0.5 before the softmax",
-    "scale_d_out": "the scores are scaled by sqrt(d_out) instead of sqrt(head_dim) "
+    "scale_d_out": "the scores are scaled by 1/sqrt(d_out) instead of 1/sqrt(head_dim) "
     "(keys.shape[-1] after the heads are split)",
+    "scale_by_d_out": "the scores are scaled by 1/d_out (d_model) instead of 1/sqrt(head_dim)",
+    "scale_by_head_dim": "the scores are scaled by 1/head_dim instead of 1/sqrt(head_dim) "
+    "(the square root is missing)",
     "softmax_queries": "softmax runs over the queries (dim=1 or dim=-2) instead of the keys "
     "(dim=-1)",
     "view_no_transpose": "heads are split with view(b, num_heads, num_tokens, head_dim) and "
@@ -36,48 +53,107 @@ BUGS = {
     "underscore throws its result away, or SDPA without is_causal=True)",
     "mask_diagonal": "the mask also hides the diagonal: torch.triu(..., diagonal=1), not "
     "diagonal=0",
+    "mask_offset": "the mask is one diagonal too high: each query sees the next token "
+    "(torch.triu(..., diagonal=2) where diagonal=1 belongs)",
     "inverted_mask": "the mask is inverted: the past is masked and the future attended "
     "(tril instead of triu, or a boolean SDPA mask of the wrong polarity)",
     "scale_after_softmax": "the scale is applied after the softmax instead of to the scores",
-    "qk_swapped": "the scores are keys @ queries.T instead of queries @ keys.T",
 }
+# the source's suspect kinds that point at the line of each bug
+_POINTERS = {
+    "softmax_queries": ("softmax_dim",),
+    "view_no_transpose": ("split_without_transpose", "merge_without_transpose"),
+    "merge_no_transpose": ("merge_without_transpose",),
+    "no_mask": ("masked_fill_discarded", "sdpa_not_causal"),
+    "mask_offset": ("mask_offset",),
+    "inverted_mask": ("sdpa_inverted_mask",),
+}
+_MASK_BUGS = ("no_mask", "mask_diagonal", "mask_offset", "inverted_mask")
+_MAX_LAYOUTS = 512
+
+
+@dataclass
+class Layer:
+    """A projection: (out, in) weight and bias in float64, and its path in the module."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @property
+    def width(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def fan_in(self) -> int:
+        return self.weight.shape[1]
 
 
 @dataclass
 class Projections:
-    """One attention computation's weights in nn.Linear's (out, in) layout, float64."""
+    """One attention computation: query, key and value projections and head counts."""
 
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    bq: torch.Tensor | None
-    bk: torch.Tensor | None
-    bv: torch.Tensor | None
+    q: Layer
+    k: Layer
+    v: Layer
     num_heads: int
     num_kv_heads: int
-    out_w: torch.Tensor | None = None
-    out_b: torch.Tensor | None = None
+
+
+@dataclass
+class Layout:
+    """Attention groups whose outputs are concatenated, then an optional output layer."""
+
+    groups: list[Projections]
+    out: Layer | None
+    what: str
+    consistent: bool = True  # the layer names agree with the roles
+    window: int | None = None
+    misnamed: list[str] = field(default_factory=list)  # why the names disagree
+    unused: int = 0  # projection layers the layout leaves out
 
 
 def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> PropertyResult:
-    """Property 9, on the probe's module in eval mode."""
-    layout, what = find_layout(probe.module)
-    if layout is None:
-        return skipped(NAME, TITLE, what)
+    """Property 9, on the probe's module in eval mode.
+
+    Args:
+        probe: the audited module and how to call it.
+        tokens: an input length the module runs on.
+        seed: the seed of the input.
+        causal: whether the reference is causal.
+
+    Returns:
+        passed (with the layout found), failed (with the bugs that reproduce the output)
+        or skipped (no layout found, and why).
+    """
+    layouts, certain, why = candidate_layouts(probe.module, probe.d_in)
+    if not layouts:
+        return skipped(NAME, TITLE, why)
     x = probe.inputs(2, tokens, seed)
     with torch.no_grad():
         out = probe(x).double()
-    expected = reference(x.double(), layout, causal)
-    if out.shape != expected.shape:
-        observed = f"output {tuple(out.shape)}, the reference {tuple(expected.shape)}"
-        return failed(NAME, TITLE, observed, ["the heads are merged into the wrong width"])
-    tol = tolerances(probe.dtype)
-    if _close(out, expected, tol):
-        return passed(NAME, TITLE, f"equal to the reference ({what})")
-    observed = f"differs from the reference ({what}) by up to {_gap(out, expected):.3g}"
-    fits = _fitting_bugs(out, x.double(), layout, causal, expected, tol)
+    x, tol = x.double(), tolerances(probe.dtype)
+    match = _first_match(out, x, layouts, causal, tol)
+    if match is not None and match.consistent:
+        return passed(NAME, TITLE, f"equal to the reference ({_describe(match)})")
+    if match is not None:
+        observed = (
+            f"equal to the reference only with {match.what}; it equals the reference with the bug"
+        )
+        return failed(NAME, TITLE, observed, match.misnamed)
+    named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
+    fits = _fitting_bugs(out, x, named[:64], causal, tol, source.find_suspects(probe.module))
+    gap = _gap(out, reference(x, named[0], causal))
+    observed = f"differs from the reference ({named[0].what}) by up to {gap:.3g}"
     if fits:
         return failed(NAME, TITLE, f"{observed}; it equals the reference with the bug", fits)
+    if not certain:
+        return skipped(
+            NAME,
+            TITLE,
+            f"{why}; no role assignment of its projections reproduces "
+            f"the output (tried {len(layouts)})",
+        )
     causes = [
         "none of the classic bugs reproduces it (missing or wrong scale, softmax over the "
         "queries, heads split without a transpose, no mask): compare the forward with the "
@@ -86,21 +162,59 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     return failed(NAME, TITLE, observed, causes)
 
 
-def _fitting_bugs(out, x, layout, causal, expected, tol) -> list[str]:
+def _describe(layout: Layout) -> str:
+    if layout.window is None:
+        return layout.what
+    keys = layout.window - 1
+    return f"{layout.what}, a sliding window: each query sees itself and {keys} keys before"
+
+
+def _first_match(out, x, layouts, causal, tol) -> Layout | None:
+    """The first layout (name-consistent ones first) that reproduces out, trying sliding
+    windows after full attention."""
+    ordered = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
+    shaped = [layout for layout in ordered if _width(layout) == out.shape[-1]]
+    for layout in shaped:
+        if _close(out, reference(x, layout, causal), tol):
+            return layout
+    if not causal:
+        return None
+    for layout in [layout for layout in shaped if layout.consistent][:64]:
+        for window in range(1, x.shape[1] - 1 + 1):
+            windowed = replace(layout, window=window)
+            if window < x.shape[1] and _close(out, reference(x, windowed, causal), tol):
+                return windowed
+    return None
+
+
+def _width(layout: Layout) -> int:
+    if layout.out is not None:
+        return layout.out.width
+    return sum(g.v.width // g.num_kv_heads * g.num_heads for g in layout.groups)
+
+
+def _fitting_bugs(out, x, layouts, causal, tol, suspects) -> list[str]:
     """Explanations of the variants that match the module's output and differ from the
     correct reference (a variant equal to it, e.g. no transpose with one head, proves
-    nothing)."""
-    fits = []
-    for variant, explanation in BUGS.items():
-        if variant in _MASK_BUGS and not causal:
+    nothing), each with the suspect line of the source when there is one."""
+    fits: list[str] = []
+    for layout in layouts:
+        if _width(layout) != out.shape[-1]:
             continue
-        candidate = reference(x, layout, causal, variant)
-        if not _close(candidate, expected, tol) and _close(out, candidate, tol):
-            fits.append(explanation)
+        expected = reference(x, layout, causal)
+        for variant, explanation in BUGS.items():
+            if (variant in _MASK_BUGS and not causal) or explanation in fits:
+                continue
+            try:
+                candidate = reference(x, layout, causal, variant)
+            except RuntimeError:  # a variant that does not fit these shapes
+                continue
+            if not _close(candidate, expected, tol) and _close(out, candidate, tol):
+                fits.append(explanation)
+                fits += source.explain(suspects, _POINTERS.get(variant, ()))
+        if fits:
+            return fits
     return fits
-
-
-_MASK_BUGS = ("no_mask", "mask_diagonal", "inverted_mask")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> bool:
@@ -109,197 +223,385 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> bool:
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
     return (a - b).abs().nan_to_num(torch.inf).max().item()
 
 
+# --------------------------------------------------------------------------- the computation
+
+
 def reference(
-    x: torch.Tensor, layout: list[Projections], causal: bool, variant: str = "correct"
+    x: torch.Tensor, layout: Layout, causal: bool, variant: str = "correct"
 ) -> torch.Tensor:
-    """The attention of x (b, t, d_in) with each Projections, outputs side by side."""
-    return torch.cat([_attend(x, p, causal, variant) for p in layout], dim=-1)
+    """The attention of x (b, t, d_in) in `layout`, with one classic bug when `variant`
+    names one (a key of BUGS)."""
+    out = torch.cat([_attend(x, g, causal, variant, layout.window) for g in layout.groups], -1)
+    return out if layout.out is None else _linear(out, layout.out)
 
 
-def _attend(x: torch.Tensor, p: Projections, causal: bool, variant: str) -> torch.Tensor:
+def _attend(x, p: Projections, causal: bool, variant: str, window: int | None) -> torch.Tensor:
     b, t, _ = x.shape
-    q, k, v = (_linear(x, w, bias) for w, bias in ((p.wq, p.bq), (p.wk, p.bk), (p.wv, p.bv)))
-    d_out = q.shape[-1]
-    head_dim = d_out // p.num_heads
-    q, k, v = (
-        _heads(y, n, head_dim, variant)
-        for y, n in ((q, p.num_heads), (k, p.num_kv_heads), (v, p.num_kv_heads))
-    )
+    q, k, v = _linear(x, p.q), _linear(x, p.k), _linear(x, p.v)  # (b, t, width)
+    head_dim = q.shape[-1] // p.num_heads
+    q = _heads(q, p.num_heads, variant)  # (b, h, t, hd)
+    k, v = _heads(k, p.num_kv_heads, variant), _heads(v, p.num_kv_heads, variant)  # (b, g, t, .)
     groups = p.num_heads // p.num_kv_heads
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, t, hd)
-    scale = {"no_scale": 1.0, "scale_d_out": d_out**-0.5}.get(variant, head_dim**-0.5)
-    if variant == "qk_swapped":
-        q, k = k, q
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, t, .)
+    scale = {
+        "no_scale": 1.0,
+        "scale_d_out": (head_dim * p.num_heads) ** -0.5,
+        "scale_by_d_out": 1.0 / (head_dim * p.num_heads),
+        "scale_by_head_dim": 1.0 / head_dim,
+    }.get(variant, head_dim**-0.5)
     scores = q @ k.transpose(-2, -1)  # (b, h, t, t)
     if variant != "scale_after_softmax":
         scores = scores * scale
     if causal and variant != "no_mask":
-        scores = scores.masked_fill(_masked(t, variant), -torch.inf)
+        scores = scores.masked_fill(_masked(t, variant, window), -torch.inf)
     weights = torch.softmax(scores, dim=-2 if variant == "softmax_queries" else -1)
     if variant == "scale_after_softmax":
         weights = weights * scale
-    out = weights.nan_to_num(0.0) @ v  # (b, h, t, hd)
+    out = weights.nan_to_num(0.0) @ v  # (b, h, t, hv)
     if variant in ("view_no_transpose", "merge_no_transpose"):
-        out = out.reshape(b, t, d_out)  # merged without the transpose back
-    else:
-        out = out.transpose(1, 2).reshape(b, t, d_out)  # (b, h, t, hd) -> (b, t, d_out)
-    return out if p.out_w is None else _linear(out, p.out_w, p.out_b)
+        return out.reshape(b, t, -1)  # merged without the transpose back
+    return out.transpose(1, 2).reshape(b, t, -1)  # (b, h, t, hv) -> (b, t, h * hv)
 
 
-def _masked(t: int, variant: str) -> torch.Tensor:
+def _masked(t: int, variant: str, window: int | None) -> torch.Tensor:
     """(t, t) bool, True where the scores are masked: the future, or a bug's version."""
     ones = torch.ones(t, t, dtype=torch.bool)
     if variant == "mask_diagonal":
         return ones.triu(0)
+    if variant == "mask_offset":
+        return ones.triu(2)
     if variant == "inverted_mask":
         return ones.tril(-1)
+    if window is not None:
+        return ones.triu(1) | ones.tril(-window)  # the future, and keys window or more back
     return ones.triu(1)
 
 
-def _heads(y: torch.Tensor, heads: int, head_dim: int, variant: str) -> torch.Tensor:
-    b, t, _ = y.shape
+def _heads(y: torch.Tensor, heads: int, variant: str) -> torch.Tensor:
+    b, t, width = y.shape
     if variant == "view_no_transpose":
-        return y.reshape(b, heads, t, head_dim)  # the bug: (b, t, d) read as (b, h, t, hd)
-    return y.view(b, t, heads, head_dim).transpose(1, 2)  # (b, t, d) -> (b, h, t, hd)
+        return y.reshape(b, heads, t, width // heads)  # the bug: (b, t, d) read as (b, h, t, hd)
+    return y.view(b, t, heads, width // heads).transpose(1, 2)  # (b, t, d) -> (b, h, t, hd)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x @ weight.T if bias is None else x @ weight.T + bias
+def _linear(x: torch.Tensor, layer: Layer) -> torch.Tensor:
+    out = x @ layer.weight.T
+    return out if layer.bias is None else out + layer.bias
 
 
-def find_layout(module: nn.Module) -> tuple[list[Projections] | None, str]:
-    """The module's weights as Projections, and the layout's name (or why none fits)."""
+# --------------------------------------------------------------------------- the layouts
+
+
+def candidate_layouts(module: nn.Module, d_in: int) -> tuple[list[Layout], bool, str]:
+    """(layouts to try, whether the layout is certain, what was found or why none)."""
     from attnlab.attention import MultiHeadAttention  # the production layer, imported late
 
     if isinstance(module, MultiHeadAttention):
         return _attnlab_layout(module)
     if isinstance(getattr(module, "in_proj_weight", None), torch.Tensor):
         return _torch_layout(module)
-    extra = _unknown_state(module)
+    layers = collect_layers(module, d_in)
+    if not layers:
+        return [], False, "no nn.Linear, Conv1D or 2-d weight parameter to take as projections"
+    extra = _unknown_state(module, layers)
+    layouts = _wrapper_layouts(module, layers, d_in) + _flat_layouts(module, layers, d_in)
+    if not layouts:
+        return [], False, f"no assignment of its {len(layers)} projections fits the widths"
+    informative = any(layout.consistent for layout in layouts) and _named(layers)
+    why = f"{len(layers)} projection layers"
     if extra:
-        return None, (
-            f"the module has state the known layouts do not use ({', '.join(extra[:4])}): "
-            f"a positional bias or rotation the reference cannot reproduce"
-        )
-    fused = _fused_projections(module)
-    if fused is not None:
-        return [fused], f"fused query/key/value projection, {fused.num_heads} heads"
-    if _book_projections(module) is not None:
-        heads = _heads_of(module)
-        what = f"book W_query/W_key/W_value, {heads} head{'s' if heads > 1 else ''}"
-        return [_book_projections(module)], what
-    heads = getattr(module, "heads", None)
-    if isinstance(heads, nn.ModuleList) and heads:
-        layout = [_book_projections(head) for head in heads]
-        if all(p is not None and p.num_heads == 1 for p in layout):
-            return layout, f"the book's wrapper, {len(layout)} single-head modules"
-    return None, (
-        "no known parameter layout (the book's W_query/W_key/W_value, a `heads` list of them, "
-        "a fused qkv/c_attn projection, PyTorch's in_proj_weight, attnlab's module)"
-    )
+        why += f"; state outside them ({', '.join(extra[:4])}): a positional bias or rotation?"
+    return layouts[:_MAX_LAYOUTS], informative and not extra, why
 
 
-_KNOWN = ("W_query", "W_key", "W_value", "out_proj", "qkv", "qkv_proj", "c_attn", "c_proj")
-_MASKS = ("mask", "bias", "causal_mask")
+def collect_layers(module: nn.Module, d_in: int) -> list[Layer]:
+    """Every nn.Linear, Conv1D ((in, out) weight) and 2-d parameter (used as x @ W) in
+    registration order, as (out, in) float64 layers."""
+    layers = []
+    for path, sub in module.named_modules():
+        if isinstance(sub, nn.Linear):
+            layers.append(_layer(path, sub.weight, sub.bias))
+        elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
+            layers.append(_layer(path, sub.weight.T, getattr(sub, "bias", None)))
+        else:
+            for name, p in sub.named_parameters(recurse=False):
+                if p.dim() == 2 and not isinstance(sub, nn.Embedding | nn.LayerNorm):
+                    weight = p.T if p.shape[0] == d_in else p  # x @ W: W is (in, out)
+                    layers.append(_layer(f"{path}.{name}" if path else name, weight, None))
+    return layers
 
 
-def _unknown_state(module: nn.Module) -> list[str]:
-    """Parameters and float buffers outside the known projections and masks."""
+def _layer(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Layer:
+    bias = bias.detach().double() if isinstance(bias, torch.Tensor) else None
+    return Layer(path, weight.detach().double(), bias)
+
+
+_MASK_NAMES = ("mask", "bias", "masked_bias", "causal_mask", "attn_mask", "tril", "triu")
+
+
+def _unknown_state(module: nn.Module, layers: list[Layer]) -> list[str]:
+    """Parameters and float buffers outside the projections and mask buffers."""
+    owned = {layer.name for layer in layers}
     names = [n for n, _ in module.named_parameters()]
     names += [n for n, b in module.named_buffers() if b.is_floating_point()]
     return [
         n
         for n in names
-        if not n.startswith(_KNOWN)
-        and n not in _MASKS
-        and not n.startswith("heads.")
-        and n.split(".")[-1] not in _MASKS
+        if not _owned(n, owned) and n.split(".")[-1] not in _MASK_NAMES and "norm" not in n
     ]
 
 
-def _fused_projections(module: nn.Module) -> Projections | None:
-    """nanoGPT / GPT-2 style: one (d_in -> 3 d_out) projection (nn.Linear, or a Conv1D
-    with an (in, out) weight) split into query, key, value; an optional output projection."""
-    qkv = next(
-        (getattr(module, n) for n in ("qkv", "qkv_proj", "c_attn") if hasattr(module, n)), None
-    )
-    weight = _linear_or_conv1d(qkv)
-    heads = next(
-        (getattr(module, n) for n in ("num_heads", "n_head", "n_heads") if hasattr(module, n)),
-        None,
-    )
-    if weight is None or not isinstance(heads, int) or weight[0].shape[0] % 3:
-        return None
-    wq, wk, wv = weight[0].chunk(3)
-    bq, bk, bv = (None,) * 3 if weight[1] is None else weight[1].chunk(3)
-    out = next((getattr(module, n) for n in ("out_proj", "c_proj") if hasattr(module, n)), None)
-    out_w, out_b = _linear_or_conv1d(out) or (None, None)
-    return Projections(wq, wk, wv, bq, bk, bv, heads, heads, out_w, out_b)
+def _owned(name: str, owned: set[str]) -> bool:
+    parent = name.rpartition(".")[0]
+    return name in owned or parent in owned
 
 
-def _linear_or_conv1d(layer: object) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight (out, in), bias) in float64 from an nn.Linear or a GPT-2 Conv1D."""
-    if isinstance(layer, nn.Linear):
-        return _weight(layer)
-    weight = getattr(layer, "weight", None)
-    if isinstance(layer, nn.Module) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        bias = getattr(layer, "bias", None)
-        bias = bias.detach().double() if isinstance(bias, torch.Tensor) else None
-        return weight.detach().double().T, bias  # Conv1D stores (in, out)
+_ROLE_PATTERNS = {
+    "qkv": r".*(qkv|c_attn|in_proj).*",
+    "kv": r"(w_?|to_)?kv(_proj|_linear|_lin)?",
+    "q": r"(w_?|to_)?q(uery|ueries)?(_proj|_linear|_lin|_up)?",
+    "k": r"(w_?|to_)?k(ey|eys)?(_proj|_linear|_lin|_up)?",
+    "v": r"(w_?|to_)?v(alue|alues)?(_proj|_linear|_lin|_up)?",
+    "o": r"(w_?|to_)?o(ut|utput)?(_proj|_linear|_lin)?|(c_)?proj|dense|wo",
+}
+
+
+def role_hint(name: str) -> str | None:
+    """The role a layer's name claims ('q', 'k', 'v', 'o', 'qkv', 'kv') or None."""
+    parts = [p for p in name.lower().split(".") if not p.isdigit() and p not in ("weight",)]
+    for part in reversed(parts):
+        for role, pattern in _ROLE_PATTERNS.items():
+            if re.fullmatch(pattern, part):
+                return role
     return None
 
 
-def _book_projections(module: nn.Module) -> Projections | None:
-    parts = [_weight(getattr(module, name, None)) for name in ("W_query", "W_key", "W_value")]
-    if any(part is None for part in parts):
-        return None
-    (wq, bq), (wk, bk), (wv, bv) = parts
-    heads = _heads_of(module)
-    out = getattr(module, "out_proj", None)
-    out_w, out_b = _weight(out) if isinstance(out, nn.Linear) else (None, None)
-    return Projections(wq, wk, wv, bq, bk, bv, heads, heads, out_w, out_b)
+def _named(layers: list[Layer]) -> bool:
+    hints = {role_hint(layer.name) for layer in layers}
+    return {"q", "k", "v"} <= hints or "qkv" in hints or {"q", "kv"} <= hints
 
 
-def _heads_of(module: nn.Module) -> int:
-    heads = getattr(module, "num_heads", 1)
-    return heads if isinstance(heads, int) and heads > 0 else 1
+_HEAD_ATTRIBUTES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", "heads")
+_KV_ATTRIBUTES = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "n_kv_head", "kv_heads")
 
 
-def _weight(layer: object) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight in (out, in) layout, bias) as float64, for an nn.Linear or a (in, out)
-    nn.Parameter used as x @ W."""
-    if isinstance(layer, nn.Linear):
-        bias = None if layer.bias is None else layer.bias.detach().double()
-        return layer.weight.detach().double(), bias
-    if isinstance(layer, nn.Parameter) and layer.dim() == 2:
-        return layer.detach().double().T, None
+def _int_attribute(module: nn.Module, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
     return None
 
 
-def _torch_layout(module: nn.Module) -> tuple[list[Projections] | None, str]:
+def _flat_layouts(module: nn.Module, layers: list[Layer], d_in: int) -> list[Layout]:
+    """One attention over the module's layers: every (q, k, v, out) assignment."""
+    heads = _int_attribute(module, _HEAD_ATTRIBUTES)
+    kv_heads = _int_attribute(module, _KV_ATTRIBUTES)
+    layouts = []
+    for (q, k, v), used, shape in _qkv_sources(layers, d_in):
+        for h, g in _head_counts(q.width, k.width, v.width, heads, kv_heads):
+            width = v.width // g * h
+            outs = [None] + [o for o in layers if o.name not in used and o.fan_in == width]
+            for out in outs:
+                groups = [Projections(q, k, v, h, g)]
+                layouts.append(_named_layout(groups, out, shape, layers, used))
+    return layouts
+
+
+def _qkv_sources(layers: list[Layer], d_in: int):
+    """((q, k, v), names of the layers used, the shape's name) for every assignment."""
+    inputs = [layer for layer in layers if layer.fan_in == d_in]
+    chains = [
+        _chain(down, up)
+        for down in inputs
+        for up in layers
+        if up.fan_in == down.width and up.fan_in != d_in and up is not down
+    ]
+    for fused in [layer for layer in inputs if role_hint(layer.name) in (None, "qkv")]:
+        for sizes in _fused_splits(fused.width):
+            q, k, v = _split(fused, sizes)
+            yield (q, k, v), {fused.name}, "fused query/key/value projection"
+    for q, kv in itertools.permutations(inputs + chains, 2):
+        hints = role_hint(q.name.split("+")[-1]), role_hint(kv.name.split("+")[-1])
+        named = hints[0] in (None, "q") and hints[1] in (None, "kv")
+        if named and kv.width % 2 == 0 and set(_parts(q)).isdisjoint(_parts(kv)):
+            k, v = _split(kv, (kv.width // 2, kv.width // 2))
+            yield (q, k, v), {*_parts(q), *_parts(kv)}, "a query and a fused key/value projection"
+    for q, k, v in itertools.permutations(inputs + chains, 3):
+        names = [_parts(q), _parts(k), _parts(v)]
+        ups = [n[-1] for n in names]
+        if len(set(ups)) == 3 and not set(names[0]) & (set(names[1]) | set(names[2])):
+            yield (q, k, v), {*names[0], *names[1], *names[2]}, "separate projections"
+
+
+def _parts(layer: Layer) -> list[str]:
+    return layer.name.split("+")
+
+
+def _chain(down: Layer, up: Layer) -> Layer:
+    """x -> down -> up as one layer (a latent projection)."""
+    bias = None if down.bias is None else up.weight @ down.bias
+    if up.bias is not None:
+        bias = up.bias if bias is None else bias + up.bias
+    return Layer(f"{down.name}+{up.name}", up.weight @ down.weight, bias)
+
+
+def _fused_splits(width: int) -> list[tuple[int, int, int]]:
+    """(query, key, value) widths of a fused width: equal thirds, or
+    grouped-query widths h * hd + 2 * g * hd."""
+    splits = []
+    for hd in range(1, width + 1):
+        for h in range(1, width // hd + 1):
+            rest = width - h * hd
+            if rest > 0 and rest % (2 * hd) == 0 and h % (rest // (2 * hd)) == 0:
+                splits.append((h * hd, rest // 2, rest // 2))
+    return sorted(set(splits), key=lambda s: s[0] != s[1])  # equal thirds first
+
+
+def _split(fused: Layer, sizes: tuple[int, ...]) -> list[Layer]:
+    """The fused layer's rows cut into consecutive layers of `sizes` (query, key, value
+    rows, or key and value rows)."""
+    names = ["[query]", "[key]", "[value]"][-len(sizes) :]
+    weights = fused.weight.split(list(sizes))
+    biases = fused.bias.split(list(sizes)) if fused.bias is not None else [None] * len(sizes)
+    return [Layer(fused.name + n, w, b) for n, w, b in zip(names, weights, biases, strict=True)]
+
+
+def _head_counts(q_width, k_width, v_width, heads, kv_heads) -> list[tuple[int, int]]:
+    """(h, g) head counts that fit the widths, the module's own counts when it has them."""
+    counts = []
+    for h in [heads] if heads else [d for d in range(1, q_width + 1) if q_width % d == 0]:
+        if q_width % h:
+            continue
+        hd = q_width // h
+        if k_width % hd:
+            continue
+        g = k_width // hd
+        if g < 1 or h % g or v_width % g or (kv_heads and g != kv_heads):
+            continue
+        counts.append((h, g))
+    return counts
+
+
+def _named_layout(groups, out, shape, layers, used) -> Layout:
+    """A Layout, marked inconsistent (with why) when the names claim other roles."""
+    group = groups[0]
+    misnamed = _misnamed_roles({"q": group.q, "k": group.k, "v": group.v})
+    if out is not None and role_hint(out.name) not in (None, "o"):
+        misnamed.append(f"the output goes through `{out.name}`, named for another role")
+    misnamed += _unapplied_output(layers, used, out)
+    heads = group.num_heads
+    what = f"{shape}, {heads} head{'s' if heads > 1 else ''}"
+    if group.num_kv_heads != heads:
+        what += f", {group.num_kv_heads} key/value heads"
+    if out is not None:
+        what += f", output {out.name}"
+    unused = len([n for n in layers if n.name not in used and (out is None or n is not out)])
+    return Layout(groups, out, what, not misnamed, None, misnamed, unused)
+
+
+def _misnamed_roles(roles: dict[str, Layer]) -> list[str]:
+    """Why the roles contradict the layers' names (none for fused splits)."""
+    hints = {
+        role: None if "[" in layer.name else role_hint(layer.name.split("+")[-1])
+        for role, layer in roles.items()
+    }
+    if hints["k"] == "v" and hints["v"] == "k":
+        return [
+            f"keys and values are swapped: the keys are computed with `{roles['v'].name}` and "
+            f"the values with `{roles['k'].name}`"
+        ]
+    if hints["q"] == "k" and hints["k"] == "q":
+        return [
+            "queries and keys are swapped: the scores are keys @ queries.T instead of "
+            "queries @ keys.T"
+        ]
+    return [
+        f"{_ROLE_WORDS[role]} come from `{roles[role].name}`, named for {_ROLE_WORDS[hint]}"
+        for role, hint in hints.items()
+        if hint not in (None, role)
+    ]
+
+
+def _unapplied_output(layers: list[Layer], used: set[str], out: Layer | None) -> list[str]:
+    """The output projection is missing when a layer named like one is left unused."""
+    if out is not None:
+        return []
+    unused = [n.name for n in layers if n.name not in used and role_hint(n.name) == "o"]
+    if not unused:
+        return []
+    return [
+        f"the output projection `{unused[0]}` is missing: it is defined but the output "
+        f"equals the merged heads without it (return self.{unused[0]}(context_vec))"
+    ]
+
+
+_ROLE_WORDS = {
+    "q": "the queries",
+    "k": "the keys",
+    "v": "the values",
+    "o": "output",
+    "qkv": "fused query/key/value",
+    "kv": "fused key/value",
+}
+
+
+def _wrapper_layouts(module: nn.Module, layers: list[Layer], d_in: int) -> list[Layout]:
+    """A list of head submodules (each one attention over its own layers) whose outputs are
+    concatenated, then an optional output layer outside the list."""
+    layouts = []
+    for list_name, heads in module.named_children():
+        if not isinstance(heads, nn.ModuleList) or not heads:
+            continue
+        per_head = [_flat_layouts(head, collect_layers(head, d_in), d_in) for head in heads]
+        if not all(per_head) or len({len(options) for options in per_head}) != 1:
+            continue
+        inside = {f"{list_name}.{layer.name}" for layer in collect_layers(heads, d_in)}
+        for options in zip(*per_head, strict=True):
+            if any(option.out is not None for option in options):
+                continue
+            groups = [group for option in options for group in option.groups]
+            width = sum(_width(option) for option in options)
+            outs = [None] + [o for o in layers if o.name not in inside and o.fan_in == width]
+            for out in outs:
+                misnamed = [m for option in options for m in option.misnamed]
+                misnamed += _unapplied_output(layers, inside, out)
+                what = f"{len(heads)} head modules in `{list_name}`"
+                what += f", output {out.name}" if out is not None else ""
+                layouts.append(Layout(groups, out, what, not misnamed, None, misnamed))
+    return layouts
+
+
+def _torch_layout(module: nn.Module) -> tuple[list[Layout], bool, str]:
     if not getattr(module, "batch_first", True):
-        return None, "nn.MultiheadAttention with batch_first=False: inputs are (tokens, batch, d)"
-    wq, wk, wv = module.in_proj_weight.detach().double().chunk(3)
-    bias = getattr(module, "in_proj_bias", None)
-    bq, bk, bv = (None,) * 3 if bias is None else bias.detach().double().chunk(3)
-    out_w, out_b = _weight(module.out_proj)
+        return (
+            [],
+            False,
+            "nn.MultiheadAttention with batch_first=False: inputs are (tokens, batch, d)",
+        )
+    fused = _layer("in_proj_weight", module.in_proj_weight, getattr(module, "in_proj_bias", None))
+    d = fused.width // 3
+    q, k, v = _split(fused, (d, d, d))
+    out = _layer("out_proj", module.out_proj.weight, module.out_proj.bias)
     heads = module.num_heads
-    return [Projections(wq, wk, wv, bq, bk, bv, heads, heads, out_w, out_b)], "in_proj_weight"
+    layout = Layout([Projections(q, k, v, heads, heads)], out, f"in_proj_weight, {heads} heads")
+    return [layout], True, "in_proj_weight"
 
 
-def _attnlab_layout(module) -> tuple[list[Projections] | None, str]:
+def _attnlab_layout(module) -> tuple[list[Layout], bool, str]:
     if module.rope is not None or module.window is not None or not module.fused:
-        return None, "attnlab module with rope, a window or cross-attention: not in the layouts"
-    weight = module.qkv_proj.weight.detach().double()
-    sizes = [module.d_out, module.kv_dim, module.kv_dim]
-    wq, wk, wv = weight.split(sizes)
-    bias = module.qkv_proj.bias
-    bq, bk, bv = (None,) * 3 if bias is None else bias.detach().double().split(sizes)
-    out_w, out_b = _weight(module.out_proj)
-    projections = Projections(
-        wq, wk, wv, bq, bk, bv, module.num_heads, module.num_kv_heads, out_w, out_b
-    )
-    return [projections], f"attnlab qkv_proj, {module.num_heads} heads"
+        return (
+            [],
+            False,
+            "attnlab module with rope, a window or cross-attention: not in the layouts",
+        )
+    fused = _layer("qkv_proj", module.qkv_proj.weight, module.qkv_proj.bias)
+    q, k, v = _split(fused, (module.d_out, module.kv_dim, module.kv_dim))
+    out = _layer("out_proj", module.out_proj.weight, module.out_proj.bias)
+    groups = [Projections(q, k, v, module.num_heads, module.num_kv_heads)]
+    return [Layout(groups, out, f"attnlab qkv_proj, {module.num_heads} heads")], True, "attnlab"
