@@ -140,12 +140,21 @@ def make_model_probe(module: nn.Module, context_length: int | None = None) -> Mo
         raise ValueError(f"{type(module).__name__} holds no nn.Embedding: not a language model")
     with user_code():
         private = copy.deepcopy(module).eval()
-    context = context_length or infer_context_length(module)
+    context = context_length or infer_context_length(module) or _position_table(module)
     probe = ModelProbe(private, min(tables), context, _accepted(private))
     with torch.no_grad():
         width = logits_of(probe.raw(probe.ids(1, 1, _SEED))).shape[-1]
     probe.vocab_size = min(width, max(tables))  # ids must index the token table
     return probe
+
+
+def _position_table(module: nn.Module) -> int | None:
+    """Rows of a learned position embedding (pos_emb, wpe, position_embeddings), if any."""
+    for name, table in module.named_modules():
+        leaf = name.rpartition(".")[2].lower()
+        if isinstance(table, nn.Embedding) and ("pos" in leaf or leaf == "wpe"):
+            return table.num_embeddings
+    return None
 
 
 def _accepted(module: nn.Module) -> set[str]:
