@@ -7,7 +7,9 @@ strips those.
 
 from __future__ import annotations
 
+import math
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -163,3 +165,102 @@ def check_additive_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
 
 def _values_unreadable(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or torch.compiler.is_compiling()
+
+
+def check_float(
+    name: str, value: object, *, greater_than: float | None = None, at_least: float | None = None
+) -> float:
+    """Return `value` as a float if it is a finite real number (a numpy float or integer
+    included; bool refused) above `greater_than` / at least `at_least`.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+        greater_than: an exclusive lower bound, or None.
+        at_least: an inclusive lower bound, or None.
+
+    Returns:
+        `value` as a Python float.
+
+    Raises:
+        TypeError: `value` is not a real number (or is a bool).
+        ValueError: it is NaN, infinite or below the bound.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if greater_than is not None and not number > greater_than:
+        raise ValueError(f"{name} must be > {greater_than}, got {value}")
+    if at_least is not None and not number >= at_least:
+        raise ValueError(f"{name} must be >= {at_least}, got {value}")
+    return number
+
+
+def check_dim(name: str, dim: object, ndim: int) -> int:
+    """Return `dim` as a non-negative axis of a tensor of `ndim` dimensions.
+
+    Args:
+        name: the argument's name, for the message.
+        dim: an int (a numpy integer included, bool refused), negative counting from the end.
+        ndim: the tensor's number of dimensions.
+
+    Returns:
+        The axis in [0, ndim).
+
+    Raises:
+        TypeError: `dim` is not an integer.
+        ValueError: it is outside [-ndim, ndim).
+    """
+    if isinstance(dim, bool):
+        raise TypeError(f"{name} must be an int, got bool ({dim!r})")
+    try:
+        axis = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__} ({dim!r})") from None
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name} ({axis}) is out of range for a {ndim}-D tensor")
+    return axis % ndim
+
+
+def check_index_tensor(name: str, x: object, *, ndims: Sequence[int] = (1,)) -> torch.Tensor:
+    """Return `x` if it is an integer tensor (not bool, not floating) of one of `ndims` ranks.
+
+    Args:
+        name: the argument's name, for the message.
+        x: what the caller passed.
+        ndims: the accepted numbers of dimensions.
+
+    Returns:
+        `x`, unchanged.
+
+    Raises:
+        TypeError: `x` is not a tensor, or not of an integer dtype.
+        ValueError: it has another number of dimensions.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got dtype {x.dtype}")
+    if x.dim() not in ndims:
+        raise ValueError(f"{name} must be {_ranks(ndims)}, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor given by keyword is on one device, naming each."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        found = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
+        raise ValueError(f"{' and '.join(tensors)} must be on one device, got {found}")
+
+
+def check_float_dtype(name: str, dtype: object) -> torch.dtype:
+    """Return `dtype` if it is a floating-point torch.dtype (a string such as "float32" is
+    refused: torch takes none)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
+    if not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point dtype, got {dtype}")
+    return dtype
