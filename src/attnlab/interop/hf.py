@@ -52,6 +52,9 @@ CARRIED = {
     "deterministic": "flash-attention's switch for a deterministic backward pass",
     "output_hidden_states": "a model-level output flag",
     "output_router_logits": "a model-level output flag",
+    "past_key_values": "the module updates its key/value cache before the call",
+    "encoder_hidden_states": "a cross-attention layer projects its keys and values from it "
+    "before the call; a self-attention layer (BERT's) receives it unused",
 }
 
 # transformers' keywords that need an argument attention() does not have yet: refused when
@@ -209,7 +212,7 @@ def _attentions_requested() -> bool:
     return isinstance(collected, dict) and "attentions" in collected
 
 
-_COMPUTES_ATTENTION = re.compile(r"softmax\(|scaled_dot_product_attention|flash_attn|baddbmm")
+_COMPUTES_ATTENTION = re.compile(r"(?i)softmax\(|scaled_dot_product_attention|flash_attn")
 _USES_INTERFACE = re.compile(r"ALL_ATTENTION_FUNCTIONS|attention_interface")
 _ATTENTION_CLASS = re.compile(r"Attention|Attn")
 
