@@ -330,6 +330,16 @@ def test_the_loaded_module_is_on_the_cpu_with_the_files_tensors(tmp_path):
     torch.testing.assert_close(loaded.rope.cos, module.rope.cos, atol=0, rtol=0)
 
 
+def test_the_loaded_module_does_not_alias_the_file(tmp_path):
+    module, path = _saved(tmp_path)
+    loaded = attnlab.load(path)
+    data = bytearray(path.read_bytes())
+    data[_data_start(path) :] = bytes(len(data) - _data_start(path))  # the weights zeroed
+    path.write_bytes(bytes(data))
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
 @pytest.mark.parametrize(
     "state",
     [

@@ -450,11 +450,13 @@ def _read_header(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, tuple
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors, copied into memory: safetensors maps the file, and a module whose
+    parameters alias the file would change when the file is overwritten."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as file:
-            return {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118
+            return {name: file.get_tensor(name).clone() for name in file.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError) as error:
         raise ValueError(f"{str(path)!r} is not a valid safetensors file: {error}") from error
 
