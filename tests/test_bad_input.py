@@ -519,7 +519,12 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         rope.apply_rotary,
         apply_rotary_args,
         {
-            "x": [*tensor_cases(half=False), ("head_dim", lambda t: t[..., :6], ERROR, None)],
+            "x": [
+                *[c for c in tensor_cases(half=False) if c[0] != "rank"],
+                ("1-D", lambda t: t[0, 0, 0], ERROR, None),
+                ("3-D", lambda t: t[0], SAME, lambda t: t[0]),
+                ("odd-head_dim", lambda t: t[..., :5], ERROR, None),
+            ],
             "cos": [*tensor_cases(half=False), ("positions", lambda t: t[:-1], ERROR, None)],
             "sin": [*tensor_cases(half=False), ("positions", lambda t: t[:-1], ERROR, None)],
         },

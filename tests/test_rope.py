@@ -65,13 +65,13 @@ def test_half_precision_input_rotated_in_float32():
     ("make", "error", "message"),
     [
         (lambda: RotaryEmbedding(7, 8), ValueError, "even head_dim, got 7"),
-        (lambda: RotaryEmbedding(8, 8, base=1.0), ValueError, "rope_base must be > 1"),
-        (lambda: RotaryEmbedding(8, 8, base="big"), TypeError, "rope_base must be a float"),
+        (lambda: RotaryEmbedding(8, 8, base=1.0), ValueError, "base must be > 1"),
+        (lambda: RotaryEmbedding(8, 8, base="big"), TypeError, "base must be a float"),
         (lambda: RotaryEmbedding(8, 0), ValueError, "max_positions must be >= 1"),
         (
             lambda: RotaryEmbedding(8, 8)(torch.randn(1, 1, 3, 8), 6),
             ValueError,
-            r"positions 6\.\.8 are outside the rotary tables \(0\.\.7\)",
+            r"start \(6\) \+ x's 3 tokens reach position 8, outside the rotary tables \(0\.\.7",
         ),
     ],
 )

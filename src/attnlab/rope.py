@@ -9,12 +9,15 @@ whatever the module's dtype, and the rotation is computed in float32.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
-from attnlab._validate import check_int
+from attnlab._validate import (
+    check_float,
+    check_int,
+    check_same_device,
+    check_tensor,
+)
 
 
 class RotaryEmbedding(nn.Module):
@@ -30,12 +33,10 @@ class RotaryEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.head_dim = check_int("head_dim", head_dim)
-        if head_dim % 2 != 0:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        self.head_dim = _check_head_dim(head_dim)
         self.max_positions = check_int("max_positions", max_positions)
-        self.base = check_base(base)
-        cos, sin = rotary_tables(head_dim, max_positions, self.base, device=device)
+        self.base = check_base(base, "base")
+        cos, sin = rotary_tables(self.head_dim, self.max_positions, self.base, device=device)
         self.register_buffer("cos", cos, persistent=False)  # (positions, hd), float32
         self.register_buffer("sin", sin, persistent=False)
 
@@ -52,21 +53,62 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}, base={self.base}"
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """(b, heads, t, hd) -> the same, token j rotated as position start + j."""
+        """Rotate each token of `x` by its position.
+
+        Args:
+            x: (b, heads, t, head_dim) floating-point, on the tables' device.
+            start: the position of x's first token (an int >= 0).
+
+        Returns:
+            x rotated, token j as position start + j, in x's dtype.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or start not an int.
+            ValueError: x's shape or device does not fit the tables, or the positions
+                start .. start + t - 1 run past max_positions.
+        """
+        x = check_tensor(
+            "x",
+            x,
+            ndims=(4,),
+            layout="(batch, heads, tokens, head_dim)",
+            last_dim=self.head_dim,
+            last_dim_name="head_dim",
+        )
+        check_same_device(x=x, rotary_tables=self.cos)
+        start = check_int("start", start, minimum=0)
         end = start + x.shape[-2]
-        if start < 0 or end > self.max_positions:
+        if end > self.max_positions:
             raise ValueError(
-                f"positions {start}..{end - 1} are outside the rotary tables "
-                f"(0..{self.max_positions - 1})"
+                f"start ({start}) + x's {x.shape[-2]} tokens reach position {end - 1}, outside "
+                f"the rotary tables (0..{self.max_positions - 1}, max_positions "
+                f"{self.max_positions})"
             )
-        return apply_rotary(x, self.cos[start:end], self.sin[start:end])
+        return _rotate(x, self.cos[start:end], self.sin[start:end])
 
 
 def rotary_tables(
     head_dim: int, num_positions: int, base: float, *, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * base^(-2i/hd), each (positions, hd) in float32, the half
-    of the frequencies repeated so that feature i and i + hd/2 share an angle."""
+    of the frequencies repeated so that feature i and i + hd/2 share an angle.
+
+    Args:
+        head_dim: an even int >= 2.
+        num_positions: an int >= 1.
+        base: a finite float > 1.
+        device: where the tables go.
+
+    Returns:
+        (cos, sin), each (num_positions, head_dim) float32.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an odd or non-positive head_dim, num_positions < 1, base <= 1 or not finite.
+    """
+    head_dim = _check_head_dim(head_dim)
+    num_positions = check_int("num_positions", num_positions)
+    base = check_base(base, "base")
     # float64 on the CPU for exact angles at large positions (not every device has float64)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     inv_freq = base**-exponents  # (hd/2,)
@@ -77,17 +119,63 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in float32, returned in x's dtype; cos/sin (t, hd)."""
+    """x * cos + rotate_half(x) * sin in float32, returned in x's dtype.
+
+    Args:
+        x: (..., t, hd) floating-point, at least 2-D, with an even hd.
+        cos: (t, hd) floating-point, on x's device (rotary_tables, rows for x's positions).
+        sin: the same for the sines.
+
+    Returns:
+        x rotated, in x's dtype.
+
+    Raises:
+        TypeError: a non-tensor or a non-floating tensor.
+        ValueError: cos or sin not (t, hd) for x's last two dimensions, an odd hd, or
+            tensors on different devices.
+    """
+    x = check_tensor("x", x, ndims=range(2, 9), layout="(..., tokens, head_dim)")
+    _check_head_dim(x.shape[-1], "x's last dimension (head_dim)")
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(name, table, ndims=(2,), layout="(tokens, head_dim)")
+        if table.shape != x.shape[-2:]:
+            raise ValueError(
+                f"{name} has shape {tuple(table.shape)} but x's tokens and head_dim are "
+                f"{tuple(x.shape[-2:])}: take the table's rows for x's positions"
+            )
+    check_same_device(x=x, cos=cos, sin=sin)
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary without the checks."""
     x32 = x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # rotate_half
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-def check_base(base: object) -> float:
-    """Return `base` as a float if it is a real number > 1."""
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(f"rope_base must be a float, got {type(base).__name__} ({base!r})")
-    if not float(base) > 1.0:
-        raise ValueError(f"rope_base must be > 1, got {base}")
-    return float(base)
+def check_base(base: object, name: str = "rope_base") -> float:
+    """Return `base` as a float if it is a finite real number > 1.
+
+    Args:
+        base: the rotary base (a numpy float or integer is accepted).
+        name: the argument's name in the message ("rope_base" for MultiHeadAttention,
+            "base" for RotaryEmbedding).
+
+    Returns:
+        `base` as a Python float.
+
+    Raises:
+        TypeError: not a real number (a bool included).
+        ValueError: NaN, infinite or <= 1.
+    """
+    return check_float(name, base, greater_than=1.0)
+
+
+def _check_head_dim(head_dim: object, name: str = "head_dim") -> int:
+    """An even int >= 2 (rotate-half pairs feature i with i + hd/2)."""
+    head_dim = check_int(name, head_dim)
+    if head_dim % 2 != 0:
+        raise ValueError(f"rotary embeddings need an even {name}, got {head_dim}")
+    return head_dim
