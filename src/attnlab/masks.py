@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from attnlab._validate import check_int, check_mask_kind, check_tensor
+from attnlab._validate import (
+    check_float_dtype,
+    check_index_tensor,
+    check_int,
+    check_mask_kind,
+    check_same_device,
+    check_tensor,
+)
 
 
 def _positions(
@@ -61,12 +68,29 @@ def position_mask(
     query_positions: torch.Tensor, key_positions: torch.Tensor, *, window: int | None = None
 ) -> torch.Tensor:
     """(queries, keys) bool from absolute positions (1-D integer tensors, keys in any order):
-    causal, and with `window` each query sees at most the `window` most recent keys."""
+    causal, and with `window` each query sees at most the `window` most recent keys.
+
+    Args:
+        query_positions: (queries,) integer tensor.
+        key_positions: (keys,) integer tensor on the same device.
+        window: an int >= 1, or None for plain causal.
+
+    Returns:
+        (queries, keys) bool, True where the query may attend to the key.
+
+    Raises:
+        TypeError: a position argument that is not an integer tensor, or a non-int window.
+        ValueError: a position tensor that is not 1-D, tensors on two devices, window < 1.
+    """
+    check_index_tensor("query_positions", query_positions)
+    check_index_tensor("key_positions", key_positions)
+    check_same_device(query_positions=query_positions, key_positions=key_positions)
+    window = None if window is None else check_int("window", window)
     query_pos = query_positions.unsqueeze(1)  # (q, 1)
     key_pos = key_positions.unsqueeze(0)  # (1, k)
     allowed = key_pos <= query_pos
     if window is not None:
-        allowed = allowed & (key_pos > query_pos - check_int("window", window))
+        allowed = allowed & (key_pos > query_pos - window)
     return allowed
 
 
@@ -74,10 +98,7 @@ def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Ten
     """(batch, 1, 1, keys) bool from each sequence's true length: keys at or past it are
     padding. `lengths` is a 1-D integer tensor."""
     num_keys = check_int("num_keys", num_keys)
-    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
-        raise TypeError("lengths must be a 1-D integer tensor (one length per sequence)")
-    if lengths.is_floating_point() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
+    check_index_tensor("lengths", lengths)  # one length per sequence
     if ((lengths < 0) | (lengths > num_keys)).any():
         raise ValueError(f"lengths must be in [0, num_keys={num_keys}], got {lengths.tolist()}")
     keep = torch.arange(num_keys, device=lengths.device) < lengths.unsqueeze(1)  # (b, k)
@@ -106,6 +127,7 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
             )
     if not present:
         return None
+    check_same_device(**{f"masks[{i}]": m for i, m in enumerate(present)})
     try:
         shape = torch.broadcast_shapes(*(m.shape for m in present))
     except RuntimeError as error:
@@ -120,9 +142,20 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
 def merge_masks(mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
     """A user mask (bool, additive float, or None) restricted to where `allowed` (bool) is
     True; a float mask stays additive, with -inf where `allowed` is False."""
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+        got = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
+        raise TypeError(f"allowed must be a bool tensor, got {got}")
     if mask is None:
         return allowed
     check_mask_kind("mask", mask)
+    check_same_device(mask=mask, allowed=allowed)
+    try:
+        torch.broadcast_shapes(mask.shape, allowed.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} and allowed of shape {tuple(allowed.shape)} "
+            f"do not broadcast together"
+        ) from None
     if mask.dtype == torch.bool:
         return mask & allowed
     return torch.where(allowed, mask, torch.tensor(-torch.inf, dtype=mask.dtype))
@@ -154,4 +187,5 @@ def to_torch_mask(mask: torch.Tensor) -> torch.Tensor:
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A bool mask as an additive float mask: 0 where attending is allowed, -inf elsewhere."""
     mask = _check_mask(mask, bool_only=True)
+    dtype = check_float_dtype("dtype", dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -torch.inf)
