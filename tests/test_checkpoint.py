@@ -324,7 +324,7 @@ def test_the_loaded_module_is_on_the_cpu_with_the_files_tensors(tmp_path):
     loaded = attnlab.load(path)
     tensors = [*loaded.parameters(), *loaded.buffers()]
     assert all(t.device.type == "cpu" for t in tensors)
-    assert all(isinstance(p, torch.nn.Parameter) for p in loaded.parameters())
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in loaded.parameters())
     for name, tensor in module.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     torch.testing.assert_close(loaded.rope.cos, module.rope.cos, atol=0, rtol=0)
