@@ -169,8 +169,8 @@ def load(
 
 
 def checksum(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> str:
-    """ "sha256:<hex>" of every metadata entry but the checksum itself and every tensor's
-    name, dtype, shape and bytes, in sorted order.
+    """The file's checksum: sha256 of every metadata entry but the checksum itself and of
+    every tensor's name, dtype, shape and bytes, in sorted order.
 
     It detects accidental corruption (a flipped bit, a truncated or mixed-up file, a hand
     edit of the config); it is no signature: whoever edits a file can recompute it.
@@ -180,7 +180,7 @@ def checksum(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -
         tensors: its tensors (contiguous, on the CPU).
 
     Returns:
-        The checksum string stored under metadata["checksum"].
+        "sha256:<hex digest>", the string stored under metadata["checksum"].
     """
     digest = hashlib.sha256()
     for key in sorted(k for k in metadata if k != "checksum"):
