@@ -555,7 +555,7 @@ def check_long_input(probe: Probe, seed: int, causal: bool) -> PropertyResult:
         )
         return warning(name, TITLES[name], why)
     with torch.no_grad():
-        prefix = probe(x[:, :limit])
+        prefix = probe(x[:, :limit].contiguous())
     consistent = not causal or close(out[:, :limit], prefix, probe.dtype)
     if tuple(out.shape[:2]) == (2, limit + 1) and torch.isfinite(out).all() and consistent:
         return passed(name, TITLES[name], f"{limit + 1} tokens accepted, consistent output")
