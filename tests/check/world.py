@@ -1,3 +1,4 @@
+# ruff: noqa: N806, RUF059 - the published names (B, T, C) and unpackings, as people write them
 """Attention modules in the shapes they take in published code, written afresh for
 `attnlab.check` (none is copied): the chapter's classes as printed (no length check, the
 first two unbatched), a head wrapper with an output projection, grouped-query (Llama-style
