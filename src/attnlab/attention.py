@@ -85,7 +85,9 @@ class MultiHeadAttention(nn.Module):
         check_divides("num_kv_heads", self.num_kv_heads, "num_heads", num_heads)
         self.qkv_bias = check_bool("qkv_bias", qkv_bias)
         self.causal = check_bool("causal", causal)
-        self.context_dim = d_in if context_dim is None else check_int("context_dim", context_dim)
+        self.context_dim = (
+            self.d_in if context_dim is None else check_int("context_dim", context_dim)
+        )
         self.window = None if window is None else check_int("window", window)
         if window is not None and not causal:
             raise ValueError(f"window ({window}) needs causal=True: it keeps the most recent keys")
@@ -233,7 +235,15 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
         result = functional.attend(
-            q, k, v, mask, causal, scale, dropout_p, need_weights, self.backend
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            need_weights=need_weights,
+            backend=self.backend,
         )
         out, weights = result if need_weights else (result, None)
         b, tq = x.shape[:2]

@@ -52,44 +52,109 @@ def attention(
     training: bool = False,
     need_weights: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale + mask) v per head; returns the output (b, hq, tq, hdv), or
-    (output, weights (b, hq, tq, tk)) when need_weights is true.
+    """softmax(q k^T * scale + mask) v for each head.
 
-    causal: query i is the (tk - tq + i)-th token, so with tq < tk the queries are the newest
-    tokens (decoding). dropout_p applies only when training is true. scale defaults to
-    1 / sqrt(hd). The weights returned are the ones the output was computed with.
+    Args:
+        q: queries (b, hq, tq, hd), floating point.
+        k: keys (b, hkv, tk, hd), same dtype and device; hkv divides hq (query head h reads
+            key/value head h // (hq / hkv)).
+        v: values (b, hkv, tk, hdv).
+        mask: bool (True where a query may attend) or additive float (finite, -inf where
+            it may not; a relative-position bias such as T5's, or `attnlab.alibi.bias`),
+            1-D (tk,), 2-D (tq, tk) or 4-D, broadcastable to (b, hq, tq, tk).
+        causal: mask each query's future; query i is the (tk - tq + i)-th token, so with
+            tq < tk the queries are the newest tokens (decoding).
+        scale: multiplies the scores; default 1 / sqrt(hd).
+        dropout_p: dropout on the weights, applied only when `training` is true.
+        training: whether dropout applies.
+        need_weights: also return the weights the output was computed with.
+        backend: "auto", "math", "sdpa" or "flash" (see the module docstring).
+        sinks: attention sinks (hq,): a learned logit per head added to each row's softmax
+            denominator (gpt-oss), so a row's weights may sum to less than 1.
+        softcap: bound the scores to (-softcap, softcap) by softcap * tanh(scores /
+            softcap), before the mask (Gemma 2); math (and so "auto") only.
+
+    Returns:
+        The output (b, hq, tq, hdv) in q's dtype, or (output, weights (b, hq, tq, tk)) with
+        need_weights. A query with no key it may attend to gets zeros, never NaN.
+
+    Raises:
+        TypeError: a non-tensor, a non-bool flag, an integer or mixed dtype.
+        ValueError: shapes that do not fit, a non-finite input, a mask with NaN or +inf, a
+            backend that cannot run the call (the message says why).
     """
     _check_qkv(q, k, v)
     causal = check_bool("causal", causal)
     need_weights = check_bool("need_weights", need_weights)
-    dropout_p = check_dropout("dropout_p", dropout_p) if check_bool("training", training) else 0.0
+    dropout_p = check_dropout("dropout_p", dropout_p)  # checked even when it will not apply
+    dropout_p = dropout_p if check_bool("training", training) else 0.0
     scale = _check_scale(scale, q.shape[-1])
     mask = check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
-    return attend(q, k, v, mask, causal, scale, dropout_p, need_weights, backend)
+    sinks = check_sinks(sinks, q)
+    softcap = None if softcap is None else check_positive_float("softcap", softcap)
+    return attend(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        backend=backend,
+        sinks=sinks,
+        softcap=softcap,
+    )
 
 
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
     dropout_p: float,
     need_weights: bool,
     backend: str,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """attention() for a caller that checked its arguments itself (MultiHeadAttention):
     the same result without re-checking q, k, v, the mask, scale and dropout_p, which
     decoding would pay per token. The mask is 4-D here (check_mask makes it so)."""
-    backend = _choose_backend(backend, need_weights, (q, k, v), causal, dropout_p, mask)
+    backend = _choose_backend(
+        backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
+    )
     allowed, bias = _split_mask(mask, q, k)
+    if sinks is None:
+        return _run(
+            backend, q, k, v, allowed, bias, causal, scale, dropout_p, need_weights, softcap
+        )
+    if causal:  # explicit: the sink key would shift the bottom-right alignment
+        allowed = masks.combine_masks(
+            allowed, masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
+        )
+    k, v, allowed, bias = _with_sink_key(k, v, allowed, bias, sinks, q.shape[2])
+    result = _run(backend, q, k, v, allowed, bias, False, scale, dropout_p, need_weights, softcap)
+    if not need_weights:
+        return result
+    out, weights = result
+    return out, weights[..., :-1]  # (b, hq, tq, tk): the sink's share is left out
+
+
+def _run(backend, q, k, v, allowed, bias, causal, scale, dropout_p, need_weights, softcap):
+    """One backend on split masks (allowed bool, bias float without -inf)."""
     if backend == "flash":
         return flash_cpu.attention(q, k, v, _additive(allowed, bias), scale, causal)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
     square = bool(q.shape[2] == k.shape[2])  # a plain bool under torch.export too
-    sdpa_is_causal = backend == "sdpa" and causal and mask is None and square
+    unmasked = allowed is None and bias is None
+    sdpa_is_causal = backend == "sdpa" and causal and unmasked and square
     # one query that is the newest token sees every key: nothing to mask
     single_newest_query = bool(q.shape[2] == 1 and k.shape[2] >= 1)
     if causal and not sdpa_is_causal and not single_newest_query:
@@ -97,12 +162,32 @@ def attend(
         causal_allowed = masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
         allowed = masks.combine_masks(allowed, causal_allowed)
     if backend == "math":
-        out, weights = _math(q, k, v, allowed, bias, scale, dropout_p)
+        out, weights = _math(q, k, v, allowed, bias, scale, dropout_p, softcap)
         return (out, weights) if need_weights else out
     return _sdpa(q, k, v, allowed, bias, scale, dropout_p, sdpa_is_causal)
 
 
-def _math(q, k, v, allowed, bias, scale, dropout_p):
+def _with_sink_key(k, v, allowed, bias, sinks, tq):
+    """Keys and values with one more key per head, scored exactly `sinks` (a zero key plus a
+    bias of the sink logit) and worth a zero value: the softmax's denominator gains
+    exp(sink) and the output nothing. The sink key is always allowed."""
+    b, hkv, tk, _ = k.shape
+    k = torch.cat([k, k.new_zeros(b, hkv, 1, k.shape[-1])], dim=2)  # (b, hkv, tk + 1, hd)
+    v = torch.cat([v, v.new_zeros(b, hkv, 1, v.shape[-1])], dim=2)  # (b, hkv, tk + 1, hdv)
+    if allowed is not None:
+        allowed = _as_4d(allowed)
+        rows = (allowed.shape[0], allowed.shape[1], tq)
+        allowed = torch.cat(
+            [allowed.expand(*rows, tk), allowed.new_ones(*rows, 1)], dim=-1
+        )  # (b|1, h|1, tq, tk + 1)
+    bb = 1 if bias is None else bias.shape[0]
+    hq = sinks.shape[0]
+    real = bias.expand(bb, hq, tq, tk) if bias is not None else sinks.new_zeros(1, hq, tq, tk)
+    sink = sinks.view(1, hq, 1, 1).expand(real.shape[0], hq, tq, 1)
+    return k, v, allowed, torch.cat([real.to(sinks.dtype), sink], dim=-1)  # (.., tq, tk + 1)
+
+
+def _math(q, k, v, allowed, bias, scale, dropout_p, softcap=None):
     b, hq, tq, hd = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -111,6 +196,8 @@ def _math(q, k, v, allowed, bias, scale, dropout_p):
     qg = (_as(q, compute) * scale).reshape(b, hkv, groups * tq, hd)  # (b, hkv, g*tq, hd)
     scores = qg @ _as(k, compute).transpose(-2, -1)  # (b, hkv, g*tq, tk)
     scores = scores.view(b, hq, tq, tk)  # (b, hq, tq, tk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.to(compute)
     row_has_key = None
@@ -194,7 +281,12 @@ def check_mask(
     if mask.device != device:
         raise ValueError(f"mask is on {mask.device} but q is on {device}")
     check_additive_mask("mask", mask)
-    return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (1.., queries?, keys)
+    return _as_4d(mask)
+
+
+def _as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A mask of rank <= 4 as a 4-D view, with 1 for the leading dimensions it lacks."""
+    return mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (.., queries, keys)
 
 
 def _split_mask(mask, q, k):
@@ -230,6 +322,27 @@ def _check_qkv(q: object, k: object, v: object) -> None:
         check_finite(name, t)
 
 
+def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
+    """`sinks` if it is None or a finite floating-point (hq,) tensor on q's device."""
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, ndims=(1,), layout="(query heads,)")
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks has {sinks.shape[0]} logits but q has {q.shape[1]} heads")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    return check_finite("sinks", sinks)
+
+
+def check_positive_float(name: str, value: object) -> float:
+    """`value` as a float if it is a real number, finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite float, got {value}")
+    return float(value)
+
+
 def _check_scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -256,6 +369,8 @@ def check_backend_call(
     device: torch.device,
     head_dims: tuple[int, ...],
     mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> str:
     """Return `backend` if it can run a call of this kind, else raise ValueError saying why.
 
@@ -268,6 +383,11 @@ def check_backend_call(
             f"need_weights=True needs backend 'math' or 'auto': the {backend!r} backend "
             f"never materialises the weights"
         )
+    if softcap is not None and backend in ("sdpa", "flash"):
+        raise ValueError(
+            f"softcap={softcap} needs backend 'math' or 'auto': the {backend!r} backend's "
+            f"kernel cannot bound the scores before its softmax"
+        )
     if backend != "flash":
         return backend
     if dropout_p > 0.0:
@@ -277,13 +397,18 @@ def check_backend_call(
             f"backend 'flash' takes float32 CPU tensors with one head_dim for q, k and v, got "
             f"{dtype} on {device}, head_dims {list(head_dims)}: use 'auto'"
         )
-    if mask is not None and mask.requires_grad:
+    if _trained(mask, sinks):
         raise ValueError(
-            "backend 'flash' gives no gradient to the mask, which requires grad: use 'auto'"
+            "backend 'flash' gives no gradient to the mask or the sinks, which require grad: "
+            "use 'auto'"
         )
     if not flash_cpu.available():
         raise ValueError(f"backend 'flash' is unavailable here: {flash_cpu.load_error()}")
     return backend
+
+
+def _trained(mask: torch.Tensor | None, sinks: torch.Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in (mask, sinks))
 
 
 def _choose_backend(
@@ -292,25 +417,28 @@ def _choose_backend(
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     causal: bool,
     dropout_p: float,
-    mask: torch.Tensor | None,
+    mask_and_sinks: tuple[torch.Tensor | None, torch.Tensor | None],
+    softcap: float | None,
 ) -> str:
     q, k, _ = qkv
-    head_dims = tuple(t.shape[-1] for t in qkv)
+    mask, sinks = mask_and_sinks
     backend = check_backend_call(
         backend,
         need_weights=need_weights,
         dropout_p=dropout_p,
         dtype=q.dtype,
         device=q.device,
-        head_dims=head_dims,
+        head_dims=tuple(t.shape[-1] for t in qkv),
         mask=mask,
+        sinks=sinks,
+        softcap=softcap,
     )
     if backend != "auto":
         return backend
-    if need_weights or _reads_cache_faster(q, k):
+    if need_weights or softcap is not None or _reads_cache_faster(q, k):
         return "math"
-    trained_mask = mask is not None and mask.requires_grad
-    return "flash" if not trained_mask and _flash_helps(qkv, causal, dropout_p) else "sdpa"
+    causal_flash = not _trained(mask, sinks) and _flash_helps(qkv, causal, dropout_p)
+    return "flash" if causal_flash else "sdpa"
 
 
 def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:

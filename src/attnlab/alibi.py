@@ -1,0 +1,68 @@
+"""ALiBi (Press et al., "Train short, test long"): no position embeddings; each head adds
+to a score a penalty proportional to the distance between query and key, with a slope per
+head from a fixed geometric sequence. The bias is an additive float mask for
+attnlab.functional.attention (or MultiHeadAttention's `mask`).
+
+Shapes: slopes (h,); bias (1, h, tq, tk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnlab._validate import check_int
+
+
+def slopes(num_heads: int) -> torch.Tensor:
+    """The heads' slopes: 2^(-8/n), its powers up to n for n a power of two; otherwise those
+    of the power of two below, then every second one of the power above (as BLOOM and the
+    paper's code take them).
+
+    Args:
+        num_heads: number of heads (>= 1).
+
+    Returns:
+        (num_heads,) float32 slopes, largest first.
+    """
+    num_heads = check_int("num_heads", num_heads)
+    below = 2 ** math.floor(math.log2(num_heads))
+    head_slopes = _powers(below)
+    if below < num_heads:
+        head_slopes += _powers(2 * below)[0::2][: num_heads - below]
+    return torch.tensor(head_slopes, dtype=torch.float32)
+
+
+def _powers(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (i + 1) for i in range(n)]
+
+
+def bias(
+    head_slopes: torch.Tensor,
+    num_queries: int,
+    num_keys: int | None = None,
+) -> torch.Tensor:
+    """slope_h * (key position - query position), the queries being the newest tokens
+    (query i is at position num_keys - num_queries + i, as attention's causal mask has it).
+
+    Args:
+        head_slopes: (h,) slopes, e.g. `slopes(h)`.
+        num_queries: tq.
+        num_keys: tk (default tq).
+
+    Returns:
+        (1, h, tq, tk) additive bias in the slopes' dtype and device: 0 on the diagonal,
+        negative for earlier keys (and positive for later ones, which causal masks away).
+    """
+    if not isinstance(head_slopes, torch.Tensor) or head_slopes.dim() != 1:
+        raise TypeError(f"head_slopes must be a 1-D tensor (heads,), got {head_slopes!r:.60}")
+    if not head_slopes.is_floating_point():
+        raise TypeError(f"head_slopes must be floating point, got {head_slopes.dtype}")
+    tq = check_int("num_queries", num_queries, minimum=0)
+    tk = tq if num_keys is None else check_int("num_keys", num_keys, minimum=0)
+    device = head_slopes.device
+    query_positions = torch.arange(tk - tq, tk, device=device)  # (tq,)
+    distance = torch.arange(tk, device=device)[None, :] - query_positions[:, None]  # (tq, tk)
+    return head_slopes[None, :, None, None] * distance.to(head_slopes.dtype)  # (1, h, tq, tk)
