@@ -80,7 +80,8 @@ def _describe(q, k, v, causal, layout, backend, error) -> list[int]:
 
 def _gather(row: list[int], q, group) -> list[tuple[int, ...]]:
     """Every rank's row, in rank order (on q's device: nccl gathers CUDA tensors)."""
-    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    known = isinstance(q, torch.Tensor) and q.device.type in _DEVICE_TYPES  # not meta
+    device = q.device if known else torch.device("cpu")
     local = torch.tensor(row, dtype=torch.long, device=device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)

@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from attnlab._validate import check_dim
+
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 
@@ -47,7 +49,25 @@ def shard_sequence(
     ValueError, raised identically on every rank, when the length does not divide).
 
     Cut position ids the same way to know which tokens a rank holds, for rotary positions:
-    `shard_sequence(torch.arange(T), 0, layout=layout)`."""
+    `shard_sequence(torch.arange(T), 0, layout=layout)`.
+
+    Args:
+        x: the whole sequence, a tensor of at least one dimension.
+        dim: the sequence axis (an int, a numpy integer too; negative counts from the end).
+        layout: "contiguous" or "zigzag".
+        group: the process group (default: the world).
+
+    Returns:
+        This rank's tokens of x along dim.
+
+    Raises:
+        TypeError: x not a tensor, dim not an int.
+        ValueError: dim out of range, an unknown layout, or a length that does not divide.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        got = "a 0-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x must be a torch.Tensor with a sequence dimension, got {got}")
+    dim = check_dim("dim", dim, x.dim())
     check_layout(layout)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = world * pieces_per_rank(layout)

@@ -64,6 +64,9 @@ def ring_attention(
             return torch_ring_attention(q, k, v, causal=causal, layout=layout, group=group)
         if backend == "torch":
             raise ValueError(f"backend 'torch': {refusal}; backend 'attnlab' takes these")
+    # PyTorch's CPU flash kernel reads a stepped head_dim (stride != 1) wrongly, silently:
+    # it gets dense tensors (a no-op for the usual contiguous chunks)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _RingAttention.apply(q, k, v, causal, layout, group)
 
 
