@@ -2,9 +2,12 @@
 is asserted (times on shared machines are noise): only that they exist and are consistent."""
 
 import json
+import os
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from attnlab import cli
 from attnlab.bench import compare
@@ -220,3 +223,121 @@ def test_parallel_usage_errors(args, message, capsys):
         cli.main(["bench", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _never_run(*args, **kwargs):
+    raise AssertionError("a refused bench run must not start measuring")
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Any bench mode that starts measuring fails the test."""
+    import attnlab.bench
+
+    for command in ("compare_command", "memory_command", "decode_command", "parallel_command"):
+        monkeypatch.setattr(attnlab.bench, command, _never_run)
+
+
+@pytest.mark.parametrize(
+    ("argv", "options"),
+    [
+        (["--tokens", "10000000", "--batch", "1000"], "--tokens 10000000 --batch 1000"),
+        (["--tokens", "10000000"], "--tokens 10000000 --batch 2"),
+        (["--batch", "100000000"], "--tokens 1024 --batch 100000000"),
+        (["--decode", "--contexts", "100000000"], "--decode --contexts 100000000"),
+        (["--decode", "--contexts", "256,100000000"], "--decode --contexts 100000000"),
+        (["--parallel", "2", "--tokens", "400000000"], "--parallel 2 --tokens 400000000"),
+        (["--parallel", "100000", "--quick"], "--parallel 100000 --tokens 6400000"),
+    ],
+)
+def test_absurd_sizes_are_refused_before_running(argv, options, capsys, no_measuring):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"bench: {options} need about" in err and "available on this machine" in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--quick"], ["--memory", "--quick"], ["--decode", "--quick"], ["--parallel", "2"]]
+)
+def test_every_mode_is_refused_above_the_available_memory(argv, capsys, monkeypatch, no_measuring):
+    from attnlab.bench import budget
+
+    monkeypatch.setattr(budget, "available_bytes", lambda: 1024)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert "more than the 1.0 KiB available on this machine" in capsys.readouterr().err
+
+
+@given(
+    batch=st.integers(1, 64),
+    tokens=st.integers(1, 1 << 16),
+    more=st.integers(1, 1 << 10),
+)
+def test_estimates_hold_the_inputs_and_grow_with_the_sizes(batch, tokens, more):
+    from attnlab.bench import budget
+
+    sizes = budget.Sizes(batch, tokens, 768, 12, 4)
+    longer = budget.Sizes(batch, tokens + more, 768, 12, 4)
+    compare = budget.compare_bytes(sizes, matmul_size=2048)
+    assert compare >= batch * tokens * 768 * 4  # at least the input (b, t, d) itself
+    assert budget.compare_bytes(longer, matmul_size=2048) > compare or (
+        sizes.score_bytes <= budget.MAX_SCORE_BYTES < longer.score_bytes  # peers now skipped
+    )
+    decode = budget.decode_bytes(tokens, d_model=768, layers=12, itemsize=4)
+    assert decode >= 12 * 2 * tokens * 768 * 4  # every layer's keys and values
+    assert budget.decode_bytes(tokens + more, d_model=768, layers=12, itemsize=4) > decode
+    world = 2 + batch
+    ring = budget.parallel_bytes(world, tokens, d_model=768, itemsize=4)
+    assert ring >= world * budget.PROCESS_BYTES
+    assert budget.parallel_bytes(world + more, tokens, d_model=768, itemsize=4) > ring
+
+
+def test_available_memory_is_within_the_machine():
+    from attnlab.bench import budget
+
+    available = budget.available_bytes()
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert available is None or 0 < available <= total
+
+
+def test_default_sizes_fit_a_small_machine():
+    """The estimates do not refuse the usual runs on a machine with 8 GiB free."""
+    from attnlab.bench import cli as bench_cli
+
+    parser = cli.build_parser()
+    for argv in (
+        ["bench"],
+        ["bench", "--decode"],
+        ["bench", "--memory"],
+        ["bench", "--parallel", "4"],
+    ):
+        args = parser.parse_args(argv)
+        needed, _ = bench_cli.estimate_bytes(args, bench_cli.mode_of(args))
+        assert needed < 8 * 2**30, (argv, needed)
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_output_path_that_is_a_folder_is_a_usage_error(option, tmp_path, capsys, no_measuring):
+    folder = tmp_path / "figures.png"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--quick", option, str(folder)])
+    assert exit_info.value.code == 2
+    assert "is a folder, give a file name" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_output_folder_not_writable_is_a_usage_error(tmp_path, capsys, no_measuring):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", "--decode", "--quick", "--json", str(folder / "out.json")])
+    finally:
+        folder.chmod(0o700)
+    assert exit_info.value.code == 2
+    assert "is not writable" in capsys.readouterr().err
