@@ -158,3 +158,192 @@ def test_conversion_errors():
         hf.to_llama_attention(
             MultiHeadAttention(64, 64, 16, 0.0, 4), llama.model.layers[0].self_attn
         )
+
+
+def test_generate_with_a_static_cache_equals_eager():
+    """A StaticCache prefill hands attention more keys than queries and no mask (transformers
+    relies on SDPA's top-left causal alignment there)."""
+    eager, ours = _pair("llama")
+    ids, _ = _left_padded(tokens=12)
+    options = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    options |= dict(output_scores=True, return_dict_in_generate=True)
+    expected, got = eager.generate(ids, **options), ours.generate(ids, **options)
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours_step, eager_step in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours_step, eager_step, atol=1e-5, rtol=1e-5)
+
+
+def test_conversions_refuse_a_wrong_module_with_type_error():
+    eager, _ = _pair("llama")
+    layer, linear = eager.model.layers[0].self_attn, torch.nn.Linear(64, 64)
+    with pytest.raises(TypeError, match=r"layer must be a Llama-style attention layer.*Linear"):
+        hf.from_llama_attention(linear)
+    with pytest.raises(TypeError, match=r"module must be an attnlab.MultiHeadAttention"):
+        hf.to_llama_attention(linear, layer)
+    with pytest.raises(TypeError, match="layer must be a Llama-style"):
+        hf.to_llama_attention(MultiHeadAttention(64, 64, 16, 0.0, 4), linear)
+    with pytest.raises(TypeError, match=r"layer must be a GPT2Attention.*LlamaAttention"):
+        hf.from_gpt2_attention(layer)
+    with pytest.raises(TypeError, match=r"module must be an attnlab.MultiHeadAttention"):
+        hf.to_gpt2_attention(linear, _pair("gpt2")[0].transformer.h[0].attn)
+
+
+# No keyword ignored: implemented, carried elsewhere (hf.CARRIED) or refused by name.
+
+
+def _llama_inputs(tokens=9):
+    """A Llama attention layer, q (2, 4, t, 16), k and v (2, 2, t, 16), a causal bool mask."""
+    eager, _ = _pair("llama")
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, tokens, 16, generator=generator)
+    k, v = (torch.randn(2, 2, tokens, 16, generator=generator) for _ in range(2))
+    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
+    return eager.model.layers[0].self_attn, q, k, v, mask
+
+
+CARRIED_VALUES = {
+    "position_ids": torch.arange(9)[None],
+    "sliding_window": 4,
+    "use_cache": True,
+    "cache_position": torch.arange(9),
+    "cu_seq_lens_q": torch.tensor([0, 9]),
+    "cu_seq_lens_k": torch.tensor([0, 9]),
+    "max_length_q": 9,
+    "max_length_k": 9,
+    "deterministic": True,
+    "output_hidden_states": True,
+    "output_router_logits": True,
+    "past_key_values": None,
+    "encoder_hidden_states": torch.randn(2, 5, 64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(hf.CARRIED))
+def test_a_carried_keyword_changes_nothing_and_eager_ignores_it_too(name):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    layer, q, k, v, mask = _llama_inputs()
+    extra = {name: CARRIED_VALUES[name]}
+    float_mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    expected, _ = eager_attention_forward(layer, q, k, v, float_mask, scaling=0.25, **extra)
+    got, _ = hf.attention_forward(layer, q, k, v, mask, scaling=0.25, **extra)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    without, _ = hf.attention_forward(layer, q, k, v, mask, scaling=0.25)
+    assert torch.equal(got, without)
+
+
+@pytest.mark.parametrize("name", sorted(hf.NOT_YET))
+def test_a_keyword_not_supported_yet_is_refused_by_name_unless_none(name):
+    layer, q, k, v, mask = _llama_inputs()
+    with pytest.raises(ValueError, match=rf"LlamaAttention \(model type llama\) passes {name} "):
+        hf.attention_forward(layer, q, k, v, mask, **{name: torch.zeros(4)})
+    got, _ = hf.attention_forward(layer, q, k, v, mask, **{name: None})
+    torch.testing.assert_close(got, hf.attention_forward(layer, q, k, v, mask)[0])
+
+
+def test_an_unknown_keyword_is_refused_by_name():
+    layer, q, k, v, mask = _llama_inputs()
+    with pytest.raises(ValueError, match=r"LlamaAttention.*'future_keyword'.*refused"):
+        hf.attention_forward(layer, q, k, v, mask, future_keyword=None)
+
+
+def test_every_keyword_the_installed_models_pass_is_known():
+    """Each keyword an installed modeling file passes by name to its attention interface
+    is one attention_forward names, carries or refuses (**kwargs are covered by the
+    coverage tests: an unknown one raises there)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    named = {"query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal"}
+    known = named | set(hf.CARRIED) | set(hf.NOT_YET) | {"output_attentions"}
+    passed = set()
+    for path in Path(transformers.__file__).parent.glob("models/*/modeling_*.py"):
+        source = path.read_text()
+        for start in (m.start() for m in re.finditer(r"\battention_interface\(", source)):
+            call = ast.parse(_balanced_call(source, start), mode="eval").body
+            passed |= {keyword.arg for keyword in call.keywords if keyword.arg}
+    assert len(passed) > 10
+    assert passed <= known, sorted(passed - known)
+
+
+def _balanced_call(source: str, start: int) -> str:
+    """The text of the call that starts at `start`, up to its matching parenthesis."""
+    depth = 0
+    for end in range(source.index("(", start), len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            return source[start : end + 1]
+    raise ValueError(f"unbalanced call at {start}")
+
+
+# Models that bypass the interface: refused when built or switched, never silently changed.
+
+
+@pytest.mark.parametrize(
+    ("model_type", "classes"),
+    [("bloom", "BloomAttention"), ("gptj", "GPTJAttention"), ("falcon", "FalconAttention")],
+)
+def test_a_model_that_bypasses_the_interface_is_refused_when_built(model_type, classes):
+    from attnlab.interop import coverage
+
+    config = coverage.small_config(model_type)
+    with pytest.raises(ValueError, match=rf"ForCausalLM computes attention in {classes}"):
+        AutoModelForCausalLM.from_config(config, attn_implementation="attnlab")
+    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert any(name.startswith(classes) for name in hf.bypassing_classes(eager))
+    with pytest.raises(ValueError, match="without transformers' attention interface"):
+        eager.set_attn_implementation("attnlab")
+    assert eager.config._attn_implementation == "eager"
+
+
+def test_models_on_the_interface_have_no_bypassing_classes_and_the_guard_is_installed_once():
+    eager, _ = _pair("llama")
+    assert hf.bypassing_classes(eager) == hf.bypassing_classes(_pair("gpt2")[0]) == []
+    hf.register()
+    post_init = transformers.PreTrainedModel.post_init
+    assert post_init._attnlab_guard and not hasattr(post_init.__wrapped__, "_attnlab_guard")
+    eager.set_attn_implementation("attnlab")  # allowed: llama uses the interface
+    assert eager.config._attn_implementation == "attnlab"
+
+
+# The coverage tool (scripts/hf_coverage.py writes docs/hf-coverage.md) on a slice.
+
+SLICE = {
+    "gpt2": ("equal", ""),
+    "llama": ("equal", ""),
+    "mistral": ("equal", ""),
+    "bert": ("equal", ""),
+    "bart": ("equal", ""),
+    "t5": ("refused", "position_bias"),
+    "bloom": ("refused", "BloomAttention"),
+    "gpt_oss": ("refused", "s_aux"),
+    "gemma2": ("refused", "softcap"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SLICE))
+def test_coverage_slice(model_type):
+    from attnlab.interop import coverage
+
+    row = coverage.compare(model_type)
+    status, reason = SLICE[model_type]
+    assert (row.status, row.architecture) == (status, model_type), row
+    assert reason in row.detail
+    if status == "equal":
+        assert row.max_diff <= coverage.TOLERANCE and row.detail == ""
+    assert f"| {model_type} | {status}" in coverage.table([row])
+
+
+def test_coverage_catches_a_wrong_attention(monkeypatch):
+    """The comparison can fail: attnlab losing its mask differs from eager."""
+    from attnlab.interop import coverage
+
+    arguments = hf.attention_arguments
+
+    def no_mask(*args):
+        return arguments(*args) | {"mask": None}
+
+    monkeypatch.setattr(hf, "attention_arguments", no_mask)
+    row = coverage.compare("gpt2")
+    assert row.status == "differs" and "left padding" in row.detail, row

@@ -227,6 +227,8 @@ def _generate(model, ids, mask) -> list[torch.Tensor]:
     then each step's scores."""
     options = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1)
     options |= dict(output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    if model.config.is_encoder_decoder:
+        options["decoder_start_token_id"] = 1  # some configs (T5's) leave it to the checkpoint
     result = model.generate(ids, **options)
     return [result.sequences, *result.scores]
 
