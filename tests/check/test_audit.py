@@ -53,7 +53,7 @@ def test_the_reference_property_applies_to_known_layouts():
     for module in (book.MultiHeadAttention(8, 8, 6, 0.0, 2), MultiHeadAttention(8, 8, 6, 0.0, 2)):
         assert audit(module)["reference"].status == "passed"
     wrapper = audit(book.MultiHeadAttentionWrapper(8, 4, 6, 0.0, 2))["reference"]
-    assert wrapper.status == "passed" and "wrapper" in wrapper.observed
+    assert wrapper.status == "passed" and "2 head modules" in wrapper.observed
     rope = audit(MultiHeadAttention(8, 8, 6, 0.0, 2, rope=True))["reference"]
     assert rope.status == "skipped" and "rope" in rope.observed
 
@@ -73,7 +73,7 @@ def test_each_bug_fails_the_property_that_catches_it(name):
     ("name", "fits"),
     [
         ("MissingScale", "scale is missing"),
-        ("WrongScale", "sqrt(d_out) instead of sqrt(head_dim)"),
+        ("WrongScale", "1/sqrt(d_out) instead of 1/sqrt(head_dim)"),
         ("SoftmaxWrongDim", "softmax runs over the queries"),
         ("ViewWithoutTranspose", "no transpose"),
         ("NoUnderscoreMaskedFill", "causal mask is not applied"),
@@ -172,11 +172,37 @@ def test_half_precision_is_no_false_alarm():
     assert report.ok, report.failed
 
 
-def test_unknown_state_skips_the_reference():
-    class WithBias(zoo.BookCausalAttention):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.rel_bias = nn.Parameter(torch.zeros(6, 6))
+class _WithBias(zoo.BookCausalAttention):
+    """A learned relative bias added to the scores: no projection layout reproduces it."""
 
-    result = audit(WithBias(**zoo.SINGLE))["reference"]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rel_bias = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        t = x.shape[1]
+        scores = self.W_query(x) @ self.W_key(x).transpose(1, 2) / self.d_out**0.5
+        scores = scores + self.rel_bias[:t, :t]
+        scores = scores.masked_fill(self.mask.bool()[:t, :t], -torch.inf)
+        return torch.softmax(scores, dim=-1) @ self.W_value(x)
+
+
+def test_unknown_state_skips_the_reference():
+    result = audit(_WithBias(**zoo.SINGLE))["reference"]
     assert result.status == "skipped" and "rel_bias" in result.observed
+
+
+def test_unused_state_does_not_hide_the_reference():
+    """A parameter the forward never uses (zero effect): the layout is still found."""
+    module = _WithBias(**zoo.SINGLE)
+    with torch.no_grad():
+        module.rel_bias.zero_()
+    assert audit(module)["reference"].status == "passed"
+
+
+@pytest.mark.parametrize("name", sorted(zoo.LOUD_LIMITS))
+def test_a_loud_limit_is_a_warning_not_a_failure(name):
+    kwargs, warned = zoo.LOUD_LIMITS[name]
+    report = audit(getattr(zoo, name)(**kwargs))
+    assert report.ok, report.failed
+    assert report[warned].status == "warning" and "context_length" in report[warned].observed

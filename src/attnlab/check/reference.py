@@ -49,8 +49,7 @@ BUGS = {
     "transpose back before merging",
     "merge_no_transpose": "heads are merged back with view(b, num_tokens, d_out) and no "
     "transpose(1, 2) first",
-    "no_mask": "the causal mask is not applied (masked_fill without the trailing "
-    "underscore throws its result away, or SDPA without is_causal=True)",
+    "no_mask": "the causal mask is not applied: nothing hides the future",
     "mask_diagonal": "the mask also hides the diagonal: torch.triu(..., diagonal=1), not "
     "diagonal=0",
     "mask_offset": "the mask is one diagonal too high: each query sees the next token "
@@ -210,8 +209,8 @@ def _fitting_bugs(out, x, layouts, causal, tol, suspects) -> list[str]:
             except RuntimeError:  # a variant that does not fit these shapes
                 continue
             if not _close(candidate, expected, tol) and _close(out, candidate, tol):
+                fits += source.explain(suspects, _POINTERS.get(variant, ()))  # the line first
                 fits.append(explanation)
-                fits += source.explain(suspects, _POINTERS.get(variant, ()))
         if fits:
             return fits
     return fits
@@ -335,7 +334,7 @@ def collect_layers(module: nn.Module, d_in: int) -> list[Layer]:
             layers.append(_layer(path, sub.weight.T, getattr(sub, "bias", None)))
         else:
             for name, p in sub.named_parameters(recurse=False):
-                if p.dim() == 2 and not isinstance(sub, nn.Embedding | nn.LayerNorm):
+                if p.dim() == 2 and d_in in p.shape and not isinstance(sub, nn.Embedding):
                     weight = p.T if p.shape[0] == d_in else p  # x @ W: W is (in, out)
                     layers.append(_layer(f"{path}.{name}" if path else name, weight, None))
     return layers
