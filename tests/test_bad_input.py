@@ -154,6 +154,7 @@ def index_cases(*, paired: bool = False) -> list[tuple]:
     """A 1-D integer tensor (positions, lengths)."""
     cases = [
         ("list", lambda t: t.tolist(), ERROR, None),
+        ("numpy-array", lambda t: t.numpy(), ERROR, None),
         ("float-dtype", lambda t: t.float(), ERROR, None),
         ("bool-dtype", lambda t: t > 0, ERROR, None),
         ("2-D", lambda t: t.unsqueeze(0), ERROR, None),
@@ -628,6 +629,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         {
             "x": [
                 ("list", lambda t: t.tolist(), ERROR, None),
+                ("numpy-array", lambda t: t.numpy(), ERROR, None),
                 ("0-D", lambda t: t.sum(), ERROR, None),
                 *VIEW_CASES,
             ],

@@ -161,21 +161,31 @@ def merge_masks(mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tenso
     return torch.where(allowed, mask, torch.tensor(-torch.inf, dtype=mask.dtype))
 
 
-def _check_mask(mask: object, *, bool_only: bool) -> torch.Tensor:
+def _check_mask(mask: object, *, bool_only: bool, name: str = "mask") -> torch.Tensor:
     """A (..., queries, keys) bool mask, or (unless bool_only) an additive float one."""
-    mask = check_tensor(
-        "mask", mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False
-    )
+    mask = check_tensor(name, mask, ndims=(2, 3, 4), layout="(..., queries, keys)", floating=False)
     if mask.dtype != torch.bool and (bool_only or not mask.is_floating_point()):
         kinds = "a bool tensor" if bool_only else "a bool tensor or an additive float mask"
-        raise TypeError(f"mask must be {kinds}, got dtype {mask.dtype}")
+        raise TypeError(f"{name} must be {kinds}, got dtype {mask.dtype}")
     return mask
 
 
-def from_torch_mask(mask: torch.Tensor) -> torch.Tensor:
+def from_torch_mask(mask: torch.Tensor, *, name: str = "mask") -> torch.Tensor:
     """nn.MultiheadAttention's mask to attnlab's: a bool mask is inverted (True = blocked
-    becomes True = may attend); a float additive mask is returned unchanged."""
-    mask = _check_mask(mask, bool_only=False)
+    becomes True = may attend); a float additive mask is returned unchanged.
+
+    Args:
+        mask: (..., queries, keys), 2-D to 4-D, bool (True = blocked) or additive float.
+        name: the caller's name for it in error messages (e.g. "key_padding_mask").
+
+    Returns:
+        The mask in attnlab's polarity (True = may attend), or the float mask.
+
+    Raises:
+        TypeError: not a tensor, or neither bool nor floating.
+        ValueError: fewer than 2 or more than 4 dimensions.
+    """
+    mask = _check_mask(mask, bool_only=False, name=name)
     return ~mask if mask.dtype == torch.bool else mask
 
 
