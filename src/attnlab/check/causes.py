@@ -66,11 +66,30 @@ def _class_suspects(cls: type) -> list[Suspect]:
         file = inspect.getsourcefile(cls) or "<unknown>"
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError, IndentationError):
-        return []  # defined in a REPL, compiled, or not Python source
+        found = _class_from_forward(cls)  # a file imported outside sys.modules (the CLI)
+        if found is None:
+            return []  # defined in a REPL, compiled, or not Python source
+        tree, file, start = found
     where = _short(file)
     visitor = _Visitor(where, start - 1)
     visitor.visit(tree)
     return [Suspect("source_read", where, start, cls.__name__), *visitor.found]
+
+
+def _class_from_forward(cls: type) -> tuple[ast.AST, str, int] | None:
+    """(the class's ast, its file, its first line) found through its forward's code object,
+    for a class whose module is not in sys.modules."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    if code is None:
+        return None
+    try:
+        tree = ast.parse(Path(code.co_filename).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            return node, code.co_filename, 1  # ast lines are the file's: offset 0
+    return None
 
 
 def _short(file: str) -> str:
