@@ -24,7 +24,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from attnlab import flash_cpu, masks
+from attnlab import flash_cpu, masks, padded
 from attnlab._validate import (
     check_additive_mask,
     check_bool,
@@ -127,9 +127,15 @@ def attend(
     """attention() for a caller that checked its arguments itself (MultiHeadAttention):
     the same result without re-checking q, k, v, the mask, scale and dropout_p, which
     decoding would pay per token. The mask is 4-D here (check_mask makes it so)."""
-    backend = _choose_backend(
+    chosen = _choose_backend(
         backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )
+    plain = not need_weights and sinks is None and softcap is None and dropout_p == 0.0
+    if backend in ("auto", "flash") and plain:
+        ranges = _padded_key_ranges((q, k, v), mask, causal)
+        if ranges is not None:  # causal & padding: the kernel on each sequence's real keys
+            return padded.attention(q, k, v, ranges, scale)
+    backend = chosen
     allowed, bias = _split_mask(mask, q, k)
     if sinks is None:
         return _run(
@@ -439,6 +445,20 @@ def _choose_backend(
         return "math"
     causal_flash = not _trained(mask, sinks) and _flash_helps(qkv, causal, dropout_p)
     return "flash" if causal_flash else "sdpa"
+
+
+def _padded_key_ranges(qkv, mask, causal) -> tuple[list[int], list[int]] | None:
+    """Each sequence's real keys when the mask is causal & padding only (padded.key_ranges)
+    and the kernel can run the call: square, more than a few queries, float32 CPU."""
+    if mask is None or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.requires_grad:
+        return None
+    q, k, _ = qkv
+    if q.shape[2] != k.shape[2] or q.shape[2] <= 32 or torch.compiler.is_compiling():
+        return None
+    head_dims = tuple(t.shape[-1] for t in qkv)
+    if not (flash_cpu.supports(q.dtype, q.device, head_dims) and flash_cpu.available()):
+        return None
+    return padded.key_ranges(mask, causal)
 
 
 def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:

@@ -1,0 +1,71 @@
+"""attnlab.padded: a causal & padding mask runs as the causal kernel over each sequence's
+real keys, equal to the masked math backend forward and backward; other masks fall back."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab import flash_cpu, masks, padded
+from attnlab.functional import attention
+
+pytestmark = pytest.mark.skipif(not flash_cpu.available(), reason="the CPU kernel is not built")
+
+
+def _grads(q, k, v, **kwargs):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, **kwargs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return out, torch.autograd.grad(out, leaves, grad_out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 2),
+    groups=st.integers(1, 2),
+    tokens=st.integers(33, 90),
+    side=st.sampled_from(["left", "right", "both"]),
+    as_hf=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_padded_batches_equal_the_masked_math_backend(b, hkv, groups, tokens, side, as_hf, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * groups, tokens, 16, generator=g)
+    k, v = (torch.randn(b, hkv, tokens, 16, generator=g) for _ in range(2))
+    lengths = torch.randint(0, tokens + 1, (b,), generator=g)
+    positions = torch.arange(tokens)
+    if side == "left":
+        keep = positions >= (tokens - lengths)[:, None]  # (b, t)
+    elif side == "right":
+        keep = positions < lengths[:, None]
+    else:  # a run in the middle
+        keep = (positions >= lengths[:, None] // 2) & (positions < (lengths[:, None] + tokens) // 2)
+    pad = masks.padding_mask(keep)  # (b, 1, 1, t)
+    if as_hf:  # transformers hands over causal & padding in one mask, not causal
+        kwargs = dict(mask=pad & masks.causal_mask(tokens, tokens), causal=False)
+    else:
+        kwargs = dict(mask=pad, causal=True)
+    calls = []
+    spy = padded.attention
+    padded_attention = lambda *args: calls.append(1) or spy(*args)  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(padded, "attention", padded_attention)
+        out, grads = _grads(q, k, v, **kwargs)
+    assert calls, "the padded path was not taken"
+    ref_out, ref_grads = _grads(q, k, v, backend="math", **kwargs)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mask_that_is_not_causal_and_padding_is_not_taken_for_one():
+    tokens = 40
+    keep = torch.ones(2, tokens, dtype=torch.bool)
+    keep[0, 10:20] = False  # a hole: not one range
+    assert padded.key_ranges(masks.padding_mask(keep), causal=True) is None
+    window = masks.sliding_window_mask(tokens, window=5)[None, None]  # (1, 1, t, t)
+    assert padded.key_ranges(window, causal=True) is None
+    full = torch.ones(1, 1, tokens, tokens, dtype=torch.bool)
+    assert padded.key_ranges(full, causal=False) is None  # not causal at all
+    assert padded.key_ranges(full, causal=True) == ([0], [tokens])
