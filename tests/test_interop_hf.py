@@ -319,6 +319,7 @@ SLICE = {
     "bloom": ("refused", "BloomAttention"),
     "gpt_oss": ("refused", "s_aux"),
     "gemma2": ("refused", "softcap"),
+    "nllb-moe": ("refused", "_supports_sdpa is False"),  # its decoder is not marked causal
 }
 
 

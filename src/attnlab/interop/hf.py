@@ -70,6 +70,11 @@ NOT_YET = {
 }
 
 
+# why a model may declare no SDPA support that attnlab judges by keyword instead (sinks,
+# softcapping): such a model is not refused wholesale for _supports_sdpa = False
+SDPA_LACKS = ("s_aux", "sinks", "softcap")
+
+
 def register(name: str = NAME) -> str:
     """Register attnlab's attention (and SDPA's boolean masks) under `name` and guard
     transformers' model construction against models that bypass the interface.
@@ -293,6 +298,21 @@ def _refuse(model_class: type, classes: tuple[str, ...] | list[str]) -> None:
         )
 
 
+def _refuse_without_sdpa(model_class: type) -> None:
+    """attnlab takes SDPA's conventions (boolean masks, a skipped causal mask read as the
+    module's is_causal); a model that declares it cannot run on SDPA (NLLB-MoE's decoder
+    is not marked causal) is refused, unless what SDPA lacks for it is a keyword attnlab
+    handles itself (SDPA_LACKS: implemented, or refused by name at the first forward)."""
+    source = _source(sys.modules.get(model_class.__module__))
+    if any(f"{name}=" in source for name in SDPA_LACKS):
+        return
+    if getattr(model_class, "_supports_sdpa", True) is False:
+        raise ValueError(
+            f"{model_class.__name__} declares it does not support SDPA (_supports_sdpa is "
+            f"False), whose masks and is_causal conventions attnlab takes: use 'eager' for it"
+        )
+
+
 def _guard(base: type) -> None:
     """Wrap, once, the three places transformers takes an attention implementation for a
     model (its check at construction, post_init, set_attn_implementation), so that asking a
@@ -310,6 +330,7 @@ def _guard(base: type) -> None:
     def guarded_check(self, attn_implementation, *args, **kwargs):
         if _uses_attnlab(attn_implementation):  # before any layer is built
             _refuse(type(self), _module_bypasses(type(self).__module__))
+            _refuse_without_sdpa(type(self))
         return check(self, attn_implementation, *args, **kwargs)
 
     @functools.wraps(post_init)
@@ -322,6 +343,7 @@ def _guard(base: type) -> None:
     def guarded_switch(self, attn_implementation, *args, **kwargs):
         if _uses_attnlab(attn_implementation):  # before anything changes
             _refuse(type(self), _module_bypasses(type(self).__module__))
+            _refuse_without_sdpa(type(self))
             _refuse(type(self), bypassing_classes(self))
         return switch(self, attn_implementation, *args, **kwargs)
 
