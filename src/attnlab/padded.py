@@ -58,14 +58,15 @@ def attention(
 
 def _one_sequence(q, k, v, start: int, end: int, scale: float) -> torch.Tensor:
     """(1, hq, t, hdv): zeros before start, causal over [start, end), then the queries past
-    the range over the whole range."""
-    tokens = q.shape[2]
-    pieces = [q.new_zeros(1, q.shape[1], min(start, tokens), v.shape[-1])]
-    if end > start:
-        keys, values = k[:, :, start:end], v[:, :, start:end]  # (1, hkv, end - start, d)
-        pieces.append(flash_cpu.attention(q[:, :, start:end], keys, values, None, scale, True))
-        if end < tokens:
-            pieces.append(flash_cpu.attention(q[:, :, end:], keys, values, None, scale, False))
-    else:  # no real key: every query is empty
-        pieces = [q.new_zeros(1, q.shape[1], tokens, v.shape[-1])]
+    the range over the whole range. Every piece stays in the graph (zero gradients)."""
+    if end <= start:  # no real key: the kernel's empty rows, zeros with zero gradients
+        blocked = q.new_full((1, 1, 1, k.shape[2]), -torch.inf)
+        return flash_cpu.attention(q, k, v, blocked, scale, True)
+    keys, values = k[:, :, start:end], v[:, :, start:end]  # (1, hkv, end - start, d)
+    pieces = [
+        q[:, :, :start] * 0.0,  # (1, hq, start, hdv): no key to see (hdv == hd here)
+        flash_cpu.attention(q[:, :, start:end], keys, values, None, scale, True),
+    ]
+    if end < q.shape[2]:
+        pieces.append(flash_cpu.attention(q[:, :, end:], keys, values, None, scale, False))
     return torch.cat(pieces, dim=2)  # (1, hq, t, hdv)
