@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from attnlab import functional, masks
+from attnlab import decode_cpu, functional, masks
 from attnlab._validate import (
     check_bool,
     check_divides,
@@ -163,8 +163,25 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """A KVCache for this module's key/value heads (max_tokens defaults to context_length;
-        dtype and device to the parameters'); rolling, of `window` tokens, when windowed."""
+        """A KVCache for this module's key/value heads; rolling, of `window` tokens, when
+        windowed.
+
+        Args:
+            batch_size: sequences decoded together.
+            max_tokens: positions the cache can hold (default context_length).
+            dtype: how keys and values are stored (default the parameters' dtype):
+                torch.bfloat16 or torch.float16 halve a float32 cache, torch.int8 quarters it
+                (symmetric per-token, per-head scales stored beside it); they are read back
+                in the parameters' dtype.
+            device: where the buffers live (default the parameters' device).
+
+        Returns:
+            An empty KVCache.
+
+        Raises:
+            ValueError: batch_size or max_tokens is not a positive int.
+            TypeError: dtype is neither floating-point nor torch.int8.
+        """
         weight = self.out_proj.weight
         return KVCache(
             batch_size,
@@ -225,6 +242,8 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """forward() after its checks: project, rotate, cache, attend, combine the heads."""
+        if cache is not None and decode_cpu.handles(self, x, cache, mask, need_weights):
+            return decode_cpu.step(self, x, cache, start)  # one native call, same result
         q, k, v = self._project(x, context)
         if self.rope is not None and context is None:
             q, k = self.rope(q, start), self.rope(k, start)  # (b, h|hkv, tq, hd)
@@ -296,9 +315,15 @@ class MultiHeadAttention(nn.Module):
                 f"the cache was made for num_kv_heads={made_for[0]}, head_dim={made_for[1]}; "
                 f"this module has num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
             )
-        if (cache.dtype, cache.device) != (x.dtype, x.device):
+        if not cache.accepts(x.dtype) or cache.device != x.device:
             raise TypeError(
                 f"the cache is {cache.dtype} on {cache.device} but x is {x.dtype} on {x.device}"
+                f" (a cache stores x's dtype, or a narrower one: bfloat16, float16, int8)"
+            )
+        if cache.dtype == torch.int8 and torch.is_grad_enabled() and self._records_grad(x):
+            raise ValueError(
+                "an int8 cache stores rounded keys and values, through which no gradient flows: "
+                "decode under torch.no_grad(), or use a floating-point cache"
             )
         if cache.batch_size != x.shape[0]:
             raise ValueError(
@@ -310,6 +335,10 @@ class MultiHeadAttention(nn.Module):
                 f"to {'every token' if self.window is None else self.window}"
             )
         cache.check_room(x.shape[1])
+
+    def _records_grad(self, x: torch.Tensor) -> bool:
+        """Whether autograd would record this call (x or a parameter requires grad)."""
+        return x.requires_grad or any(p.requires_grad for p in self.parameters())
 
     def _attention_mask(
         self,

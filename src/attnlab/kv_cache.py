@@ -13,6 +13,13 @@ on a CPU that reads memory about twice as fast as the (capacity, hd) layout.
 Writes are in place, except where autograd records them (keys or values that require grad,
 or buffers that already hold such): there a write makes new buffers, so that a backward
 through several cached calls finds the tensors it saved unchanged.
+
+Smaller caches: the buffers may be stored in a narrower dtype than the keys and values they
+are given and return. bfloat16 (or float16) halves a float32 cache; int8 quarters it, with
+symmetric per-token, per-head scales stored beside the buffers (b, hkv, capacity): a
+token's head is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Keys
+and values are read back in the dtype they were given (the module's), so attention itself
+runs at full precision; the error is the storage's rounding (README, "Smaller caches").
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from collections.abc import Iterator
 import torch
 
 from attnlab._validate import check_int
+
+_COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
 
 
 class KVCache:
@@ -45,10 +54,15 @@ class KVCache:
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         self.head_dim = check_int("head_dim", head_dim)
         self.window = None if window is None else check_int("window", window)
-        self.capacity = max_tokens if window is None else min(window, max_tokens)
+        self.capacity = self.max_tokens if window is None else min(self.window, self.max_tokens)
+        dtype = _check_storage_dtype(dtype)
         shape = (batch_size, num_kv_heads, head_dim, self.capacity)  # tokens last
         self._keys_t = torch.zeros(shape, dtype=dtype, device=device)  # (b, hkv, hd, capacity)
         self._values_t = torch.zeros(shape, dtype=dtype, device=device)
+        self._key_scales = self._value_scales = None
+        if self.dtype == torch.int8:  # one float32 scale per token and head: (b, hkv, capacity)
+            self._key_scales = torch.zeros(shape[:2] + shape[3:], device=device)
+            self._value_scales = torch.zeros_like(self._key_scales)
         self.position = 0  # tokens written since the last reset: the next token's position
 
     @property
@@ -62,6 +76,59 @@ class KVCache:
         return self._values_t.transpose(-2, -1)
 
     @property
+    def key_scales(self) -> torch.Tensor | None:
+        """An int8 cache's key scales (b, hkv, capacity), float32 (keys = int8 x scale);
+        None for a floating-point cache."""
+        return self._key_scales
+
+    @property
+    def value_scales(self) -> torch.Tensor | None:
+        """An int8 cache's value scales (b, hkv, capacity), float32; None otherwise."""
+        return self._value_scales
+
+    @property
+    def keys_t(self) -> torch.Tensor:
+        """The key buffer as stored, (b, hkv, hd, capacity) (for native kernels)."""
+        return self._keys_t
+
+    @property
+    def values_t(self) -> torch.Tensor:
+        """The value buffer as stored, (b, hkv, hd, capacity)."""
+        return self._values_t
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key scales, value scales), empty tensors for a floating-point cache."""
+        if self._key_scales is None:
+            return _EMPTY, _EMPTY
+        return self._key_scales, self._value_scales
+
+    @property
+    def compressed(self) -> bool:
+        """True when the buffers are stored narrower than the keys given (bf16, f16, int8)."""
+        return self.dtype in _COMPRESSED
+
+    def accepts(self, dtype: torch.dtype) -> bool:
+        """Whether keys and values of `dtype` can be stored: the cache's own dtype, or for a
+        narrower store (bf16, f16, int8) any wider floating-point dtype."""
+        if dtype == self.dtype:
+            return self.dtype.is_floating_point
+        return self.compressed and dtype.is_floating_point and dtype.itemsize > self.dtype.itemsize
+
+    @property
+    def records_grad(self) -> bool:
+        """True when the buffers hold tensors autograd records (written under autograd)."""
+        return self._keys_t.requires_grad or self._values_t.requires_grad
+
+    def native_slots(self, start: int, window: int | None) -> tuple[int, int, int]:
+        """For one token at position `start` attending to at most `window` keys: the slot it
+        is written to, then the first slot and the number of slots it attends to."""
+        if self.rolling:
+            return start % self.capacity, 0, min(start + 1, self.capacity)
+        first = 0 if window is None else max(0, start + 1 - window)
+        return start, first, start + 1 - first
+
+    @property
     def rolling(self) -> bool:
         """True when old tokens are overwritten: a window no larger than max_tokens."""
         return self.window is not None and self.capacity == self.window
@@ -73,8 +140,10 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value buffers: 2 x b x hkv x capacity x hd x itemsize."""
-        return self._keys_t.nbytes + self._values_t.nbytes
+        """Bytes of the key and value buffers, 2 x b x hkv x capacity x hd x itemsize, and of
+        an int8 cache's scales, 2 x b x hkv x capacity x 4."""
+        scales = 0 if self._key_scales is None else 2 * self._key_scales.nbytes
+        return self._keys_t.nbytes + self._values_t.nbytes + scales
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,10 +190,33 @@ class KVCache:
     def update(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Append k and v (b, hkv, n, hd), the next n tokens. Returns the keys and values
-        those tokens attend to (b, hkv, tk, hd) and the absolute position of each key
-        (tk,), or None when they are positions 0 .. tk - 1 in order."""
+        """Append the next n tokens' keys and values.
+
+        Args:
+            k: keys (b, hkv, n, hd), in the cache's dtype, or for a narrower store (bf16,
+                f16, int8) any wider floating-point dtype.
+            v: values, like k.
+
+        Returns:
+            The keys and values those tokens attend to (b, hkv, tk, hd), in k's dtype (as
+            stored: rounded by a narrower store), and the absolute position of each key
+            (tk,), or None when they are positions 0 .. tk - 1 in order.
+
+        Raises:
+            ValueError: k or v does not fit the cache, the cache has no room, or an int8
+                cache is given keys that require grad.
+            TypeError: k or v has a dtype or device the cache cannot store.
+        """
         self._check_new(k, v)
+        if (
+            self.dtype == torch.int8
+            and torch.is_grad_enabled()
+            and (k.requires_grad or v.requires_grad)
+        ):
+            raise ValueError(
+                "an int8 cache stores rounded keys and values, through which no gradient "
+                "flows: update it under torch.no_grad(), or use a floating-point cache"
+            )
         self.check_room(k.shape[2])
         return self.append(k, v)
 
@@ -138,23 +230,40 @@ class KVCache:
         if not self.rolling:
             self._write(k, v, slots=None)
             self.position = start + n
-            return self._held(start + n)
+            return self._held(start + n, k.dtype)
         if n == 1:  # the window's slots then hold exactly the keys this token may see
             self._write_rolling(k, v, start)
-            return (*self._held(self.num_tokens)[:2], self.slot_positions())
+            return (*self._held(self.num_tokens, k.dtype)[:2], self.slot_positions())
         # A chunk's first tokens need keys its last tokens will overwrite: attend to a copy.
-        held_keys, held_values, _ = self._held(self.num_tokens)
-        keys = torch.cat([held_keys, k], dim=2)  # (b, hkv, held + n, hd)
-        values = torch.cat([held_values, v], dim=2)
+        held_keys, held_values, _ = self._held(self.num_tokens, k.dtype)
+        new_keys, new_values = self._as_stored(k), self._as_stored(v)
+        keys = torch.cat([held_keys, new_keys], dim=2)  # (b, hkv, held + n, hd)
+        values = torch.cat([held_values, new_values], dim=2)
         new_positions = torch.arange(start, start + n, device=self.device)
         positions = torch.cat([self.slot_positions(), new_positions])
         self._write_rolling(k, v, start)
         return keys, values, positions
 
-    def _held(self, num: int) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """The first `num` slots' keys and values, (b, hkv, num, hd) views, positions None."""
-        keys = self._keys_t.narrow(3, 0, num).transpose(-2, -1)  # (b, hkv, num, hd)
-        return keys, self._values_t.narrow(3, 0, num).transpose(-2, -1), None
+    def _held(self, num: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """The first `num` slots' keys and values, (b, hkv, num, hd) in `dtype`, positions
+        None (views of the buffers when they are stored in `dtype`)."""
+        keys = self._read(self._keys_t, self._key_scales, num, dtype)
+        return keys, self._read(self._values_t, self._value_scales, num, dtype), None
+
+    def _read(self, buffer, scales, num: int, dtype: torch.dtype) -> torch.Tensor:
+        held = buffer.narrow(3, 0, num)  # (b, hkv, hd, num)
+        if scales is not None:
+            held = held.to(torch.float32) * scales.narrow(2, 0, num).unsqueeze(2)
+        return held.to(dtype).transpose(-2, -1)  # (b, hkv, num, hd)
+
+    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, hkv, n, hd) as the cache will give it back: rounded by a narrower store."""
+        if not self.compressed:
+            return x
+        if self.dtype != torch.int8:
+            return x.to(self.dtype).to(x.dtype)
+        quantized, scales = quantize(x)
+        return (quantized.to(torch.float32) * scales.unsqueeze(-1)).to(x.dtype)
 
     def slot_positions(self) -> torch.Tensor:
         """The absolute position of the token in each held slot, (num_tokens,)."""
@@ -176,18 +285,38 @@ class KVCache:
     def _write(self, k: torch.Tensor, v: torch.Tensor, *, slots: torch.Tensor | None) -> None:
         """Store k, v (b, hkv, n, hd) in `slots` (n,), or with None in the n slots from the
         current position on (the position itself is the caller's to move)."""
-        new_keys, new_values = k.transpose(-2, -1), v.transpose(-2, -1)  # (b, hkv, hd, n)
-        if self._records_grad(k, v):  # new buffers: saved tensors stay as autograd saw them
-            if slots is None:
-                slots = torch.arange(self.position, self.position + k.shape[2], device=k.device)
-            self._keys_t = self._keys_t.index_copy(3, slots, new_keys)
-            self._values_t = self._values_t.index_copy(3, slots, new_values)
-        elif slots is None:  # consecutive slots: a plain copy
-            self._keys_t.narrow(3, self.position, k.shape[2]).copy_(new_keys)
-            self._values_t.narrow(3, self.position, k.shape[2]).copy_(new_values)
+        grad = self._records_grad(k, v)
+        if grad and slots is None:  # new buffers: saved tensors stay as autograd saw them
+            slots = torch.arange(self.position, self.position + k.shape[2], device=k.device)
+        for name, x in (("keys", k), ("values", v)):
+            stored, scales = self._encode(x)  # (b, hkv, hd, n), (b, hkv, n) or None
+            buffer, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
+            setattr(self, buffer, self._put(getattr(self, buffer), slots, stored, grad))
+            if scales is not None:
+                old = getattr(self, scales_name)
+                setattr(self, scales_name, self._put(old, slots, scales, grad))
+
+    def _put(
+        self, buffer: torch.Tensor, slots: torch.Tensor | None, new: torch.Tensor, grad: bool
+    ) -> torch.Tensor:
+        """`new` written along the buffer's last (token) axis at `slots`, or with None at the
+        slots from the current position on; out of place under autograd."""
+        dim = buffer.dim() - 1
+        if grad:
+            return buffer.index_copy(dim, slots, new)
+        if slots is None:  # consecutive slots: a plain copy
+            buffer.narrow(dim, self.position, new.shape[dim]).copy_(new)
         else:
-            self._keys_t.index_copy_(3, slots, new_keys)
-            self._values_t.index_copy_(3, slots, new_values)
+            buffer.index_copy_(dim, slots, new)
+        return buffer
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (b, hkv, n, hd) in the stored layout and dtype (b, hkv, hd, n), and an int8
+        store's scales (b, hkv, n)."""
+        if self.dtype != torch.int8:
+            return x.transpose(-2, -1).to(self.dtype), None  # (b, hkv, hd, n)
+        quantized, scales = quantize(x)
+        return quantized.transpose(-2, -1), scales  # (b, hkv, hd, n)
 
     def _records_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         if not torch.is_grad_enabled():
@@ -197,30 +326,43 @@ class KVCache:
     @contextlib.contextmanager
     def transaction(self, num_new: int) -> Iterator[None]:
         """All or nothing: if the body raises after writing `num_new` tokens, the cache is
-        put back as it was (position, buffers and every held token), then the error goes on.
+        put back as it was (position, buffers, scales and every held token), then the error
+        goes on.
 
         Args:
             num_new: how many tokens the body appends.
+
+        Yields:
+            None, once the state to restore is saved.
         """
-        position, keys_t, values_t = self.position, self._keys_t, self._values_t
-        slots = saved_keys = saved_values = None
+        position = self.position
+        tensors = self._tensors()
+        slots, saved = None, ()
         if self.rolling:  # its writes overwrite held tokens: keep a copy of those slots
             slots = self._slots(position, num_new)
-            saved_keys = keys_t.index_select(3, slots)  # (b, hkv, hd, n)
-            saved_values = values_t.index_select(3, slots)
+            saved = tuple(t.index_select(t.dim() - 1, slots) for t in tensors)
         try:
             yield
         except BaseException:
-            written_in_place = self._keys_t is keys_t
-            self.position, self._keys_t, self._values_t = position, keys_t, values_t
+            written_in_place = self._keys_t is tensors[0]
+            self.position = position
+            self._keys_t, self._values_t = tensors[:2]
+            if len(tensors) == 4:
+                self._key_scales, self._value_scales = tensors[2:]
             if slots is not None and written_in_place:
-                keys_t.index_copy_(3, slots, saved_keys)
-                values_t.index_copy_(3, slots, saved_values)
+                for t, kept in zip(tensors, saved, strict=True):
+                    t.index_copy_(t.dim() - 1, slots, kept)
             raise
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers, then an int8 cache's scales."""
+        if self._key_scales is None:
+            return self._keys_t, self._values_t
+        return self._keys_t, self._values_t, self._key_scales, self._value_scales
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)
-        fits = k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype == self._keys_t.dtype
+        fits = k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype and self.accepts(k.dtype)
         if fits and (k.shape[0], k.shape[1], k.shape[3]) == expected and k.device == self.device:
             return  # the per-token case, checked in one pass
         for name, t in (("k", k), ("v", v)):
@@ -231,8 +373,37 @@ class KVCache:
                     f"(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                     f"tokens, head_dim={self.head_dim})"
                 )
-            if t.dtype != self.dtype or t.device != self.device:
+            if not self.accepts(t.dtype) or t.device != self.device:
                 raise TypeError(
                     f"{name} is {t.dtype} on {t.device} but the cache is {self.dtype} on "
                     f"{self.device}"
                 )
+        if k.shape[2] != v.shape[2] or k.dtype != v.dtype:
+            raise ValueError(
+                f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must have the "
+                f"same number of tokens and dtype"
+            )
+
+
+_EMPTY = torch.empty(0)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per token and head: x (b, hkv, n, hd) -> (int8 (b, hkv, n, hd), float32
+    scales (b, hkv, n)), x ~= q * scale with scale = max |x| / 127 over hd (0 for zeros)."""
+    x32 = x.detach().to(torch.float32)
+    scales = x32.abs().amax(-1) / 127  # (b, hkv, n)
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
+    quantized = torch.round(x32 / divisor).clamp_(-127, 127).to(torch.int8)
+    return quantized, scales
+
+
+def _check_storage_dtype(dtype: object) -> torch.dtype | None:
+    """None (torch's default), a floating-point dtype, or int8 (quantized)."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    if not (dtype.is_floating_point or dtype == torch.int8) or dtype.is_complex:
+        raise TypeError(f"dtype must be a floating-point dtype or torch.int8, got {dtype}")
+    return dtype

@@ -1,0 +1,286 @@
+// One decoding step of attnlab's MultiHeadAttention on the CPU: the fused query/key/value
+// projection of one token per sequence, rotary positions, the append of its key and value to
+// the cache (float32, bfloat16, or int8 with a float32 scale per token and head), attention
+// over the keys held, and the output projection, in one call.
+//
+// Producing a token reads every weight and the whole cache once, so the step is bound by
+// memory reads: each weight row is streamed once for every sequence of the batch (the rows of
+// x stay in L1), and each key/value head's cache is streamed once for all the query heads
+// that share it. The keys are split into chunks of kChunk tokens, one work item per
+// (sequence, key/value head, chunk), so that both cores stream even a single head's cache;
+// the chunks' partial softmax sums are merged afterwards (split-K, as flash decoding does).
+//
+// Layouts (the Python side makes its inputs conform): x (b, d_in); w_qkv (d_out + 2 kv_dim,
+// d_in) with rows in query, key, value order; w_out (d_out, d_out); biases (out,) or empty;
+// cos/sin (positions, hd) or empty; keys_t/values_t (b, hkv, hd, capacity), tokens last;
+// key_scales/value_scales (b, hkv, capacity) float32 for int8 buffers, else empty. All
+// float32 except the buffers, all contiguous. The new token goes to slot `slot` at position
+// `position`; attention reads slots [first, first + count).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 256;  // keys per attention work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float dot(const float* a, const float* b, int64_t n) {
+  const int64_t w = Vec::size();
+  Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
+  int64_t i = 0;
+  for (; i + 4 * w <= n; i += 4 * w) {
+    s0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s0);
+    s1 = at::vec::fmadd(Vec::loadu(a + i + w), Vec::loadu(b + i + w), s1);
+    s2 = at::vec::fmadd(Vec::loadu(a + i + 2 * w), Vec::loadu(b + i + 2 * w), s2);
+    s3 = at::vec::fmadd(Vec::loadu(a + i + 3 * w), Vec::loadu(b + i + 3 * w), s3);
+  }
+  for (; i + w <= n; i += w) s0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s0);
+  float lanes[Vec::size()];
+  ((s0 + s1) + (s2 + s3)).store(lanes);
+  float total = 0.0f;
+  for (int64_t l = 0; l < w; ++l) total += lanes[l];
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory.
+void project(const float* x, int64_t rows, int64_t in, const float* w, const float* bias,
+             int64_t out, float* y) {
+  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* row = w + j * in;
+      const float b = bias ? bias[j] : 0.0f;
+      for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, row, in) + b;
+    }
+  });
+}
+
+// x <- x * cos + rotate_half(x) * sin, one head of hd features.
+void rotate(float* x, const float* cos, const float* sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + (-b) * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// Stores one head's vector (hd,) in slot `slot` of its (hd, capacity) buffer.
+void store(const float* src, float* dst, float*, int64_t hd, int64_t cap, int64_t slot) {
+  for (int64_t d = 0; d < hd; ++d) dst[d * cap + slot] = src[d];
+}
+
+void store(const float* src, c10::BFloat16* dst, float*, int64_t hd, int64_t cap,
+           int64_t slot) {
+  for (int64_t d = 0; d < hd; ++d) dst[d * cap + slot] = c10::BFloat16(src[d]);
+}
+
+// Symmetric int8: scale = max |x| / 127, q = round(x / scale) (round half to even).
+void store(const float* src, int8_t* dst, float* scale, int64_t hd, int64_t cap,
+           int64_t slot) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(src[d]));
+  const float s = amax / 127.0f;
+  const float divisor = s > 0.0f ? s : 1.0f;
+  for (int64_t d = 0; d < hd; ++d) {
+    const float q = std::nearbyint(src[d] / divisor);
+    dst[d * cap + slot] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+  }
+  scale[slot] = s;
+}
+
+// A row of the cache as float32 (a copy into `tmp` unless it already is).
+const float* as_float(const float* row, float*, int64_t) { return row; }
+
+const float* as_float(const c10::BFloat16* row, float* tmp, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  for (int64_t t = 0; t < n; ++t) {
+    const uint32_t widened = static_cast<uint32_t>(bits[t]) << 16;
+    std::memcpy(tmp + t, &widened, sizeof(float));
+  }
+  return tmp;
+}
+
+const float* as_float(const int8_t* row, float* tmp, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) tmp[t] = static_cast<float>(row[t]);
+  return tmp;
+}
+
+struct Attend {
+  const float* qkv;  // (b, d_qkv): queries (rotated) then keys then values
+  int64_t d_qkv, heads, kv_heads, hd, cap, first, count, chunks;
+  float scale;
+  float* partial;  // (b, heads, chunks, hd + 2): unnormalised output, max, sum
+
+  // One (sequence, key/value head, chunk of keys) for the `groups` query heads sharing it.
+  template <typename T>
+  void item(int64_t index, const T* keys_t, const T* values_t, const float* key_scales,
+            const float* value_scales, std::vector<float>& scores, std::vector<float>& tmp) const {
+    const int64_t c = index % chunks, g = (index / chunks) % kv_heads, b = index / (chunks * kv_heads);
+    const int64_t groups = heads / kv_heads;
+    const int64_t t0 = first + c * kChunk, n = std::min(kChunk, first + count - t0);
+    const int64_t head = (b * kv_heads + g);
+    const T* k_base = keys_t + head * hd * cap + t0;
+    const T* v_base = values_t + head * hd * cap + t0;
+    const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
+    std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
+    for (int64_t d = 0; d < hd; ++d) {  // scores[i, t] += q[i, d] * k[d, t]
+      const float* k = as_float(k_base + d * cap, tmp.data(), n);
+      for (int64_t i = 0; i < groups; ++i) {
+        const float qd = q[i * hd + d];
+        float* s = scores.data() + i * n;
+        for (int64_t t = 0; t < n; ++t) s[t] += qd * k[t];
+      }
+    }
+    for (int64_t i = 0; i < groups; ++i) {
+      float* s = scores.data() + i * n;
+      float m = kNegInf;
+      if (key_scales) {
+        const float* ks = key_scales + head * cap + t0;
+        for (int64_t t = 0; t < n; ++t) s[t] *= ks[t] * scale;
+      } else {
+        for (int64_t t = 0; t < n; ++t) s[t] *= scale;
+      }
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - m);
+        sum += s[t];
+      }
+      if (value_scales) {  // the value scales folded into the weights
+        const float* vs = value_scales + head * cap + t0;
+        for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];
+      }
+      float* p = partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2);
+      p[hd] = m;
+      p[hd + 1] = sum;
+    }
+    for (int64_t d = 0; d < hd; ++d) {  // out[i, d] = sum_t p[i, t] v[d, t]
+      const float* v = as_float(v_base + d * cap, tmp.data(), n);
+      for (int64_t i = 0; i < groups; ++i) {
+        float* p = partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2);
+        p[d] = dot(scores.data() + i * n, v, n);
+      }
+    }
+  }
+
+  // attn (b, heads * hd): each head's chunks merged and normalised.
+  void merge(int64_t batch, float* attn) const {
+    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const float* p = partial + bh * chunks * (hd + 2);
+        float m = kNegInf;
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p[c * (hd + 2) + hd]);
+        float* o = attn + bh * hd;  // (b, h, hd) is (b, heads * hd)
+        std::fill(o, o + hd, 0.0f);
+        float total = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = p + c * (hd + 2);
+          const float weight = std::exp(pc[hd] - m);
+          total += weight * pc[hd + 1];
+          for (int64_t d = 0; d < hd; ++d) o[d] += weight * pc[d];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t d = 0; d < hd; ++d) o[d] *= inverse;
+      }
+    });
+  }
+};
+
+template <typename T>
+void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::Tensor& values_t,
+                       at::Tensor& key_scales, at::Tensor& value_scales, int64_t slot,
+                       float* attn) {
+  T* keys = keys_t.data_ptr<T>();
+  T* values = values_t.data_ptr<T>();
+  float* ks = key_scales.numel() ? key_scales.data_ptr<float>() : nullptr;
+  float* vs = value_scales.numel() ? value_scales.data_ptr<float>() : nullptr;
+  const int64_t d_out = a.heads * a.hd, kv_dim = a.kv_heads * a.hd;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < a.kv_heads; ++g) {
+      const int64_t head = b * a.kv_heads + g;
+      const float* row = a.qkv + b * a.d_qkv + d_out + g * a.hd;
+      store(row, keys + head * a.hd * a.cap, ks ? ks + head * a.cap : nullptr, a.hd, a.cap, slot);
+      store(row + kv_dim, values + head * a.hd * a.cap, vs ? vs + head * a.cap : nullptr, a.hd,
+            a.cap, slot);
+    }
+  }
+  const int64_t groups = a.heads / a.kv_heads;
+  at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * kChunk), tmp(kChunk);
+    for (int64_t index = begin; index < end; ++index) {
+      a.item<T>(index, keys, values, ks, vs, scores, tmp);
+    }
+  });
+  a.merge(batch, attn);
+}
+
+at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::Tensor& b_qkv,
+                       const at::Tensor& w_out, const at::Tensor& b_out, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
+                       at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
+                       int64_t position, int64_t slot, int64_t first, int64_t count,
+                       double scale) {
+  const int64_t batch = x.size(0), d_in = x.size(1), d_qkv = w_qkv.size(0);
+  const int64_t kv_heads = keys_t.size(1), hd = keys_t.size(2), cap = keys_t.size(3);
+  const int64_t d_out = heads * hd;
+  auto qkv = at::empty({batch, d_qkv}, x.options());
+  project(x.data_ptr<float>(), batch, d_in, w_qkv.data_ptr<float>(),
+          b_qkv.numel() ? b_qkv.data_ptr<float>() : nullptr, d_qkv, qkv.data_ptr<float>());
+  float* q = qkv.data_ptr<float>();
+  if (cos.numel()) {
+    const float* c = cos.data_ptr<float>() + position * hd;
+    const float* s = sin.data_ptr<float>() + position * hd;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(q + b * d_qkv + h * hd, c, s, hd);
+    }
+  }
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+  auto partial = at::empty({batch, heads, chunks, hd + 2}, x.options());
+  auto attn = at::empty({batch, d_out}, x.options());
+  Attend a{q, d_qkv, heads, kv_heads, hd, cap, first, count, chunks,
+           static_cast<float>(scale), partial.data_ptr<float>()};
+  switch (keys_t.scalar_type()) {
+    case at::kFloat:
+      append_and_attend<float>(a, batch, keys_t, values_t, key_scales, value_scales, slot,
+                               attn.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      append_and_attend<c10::BFloat16>(a, batch, keys_t, values_t, key_scales, value_scales, slot,
+                                       attn.data_ptr<float>());
+      break;
+    case at::kChar:
+      append_and_attend<int8_t>(a, batch, keys_t, values_t, key_scales, value_scales, slot,
+                                attn.data_ptr<float>());
+      break;
+    default:
+      TORCH_CHECK(false, "decode_step: cache dtype ", keys_t.scalar_type(), " is not handled");
+  }
+  auto out = at::empty({batch, d_out}, x.options());
+  project(attn.data_ptr<float>(), batch, d_out, w_out.data_ptr<float>(),
+          b_out.numel() ? b_out.data_ptr<float>() : nullptr, d_out, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab_decode, m) {
+  m.def(
+      "decode_step(Tensor x, Tensor w_qkv, Tensor b_qkv, Tensor w_out, Tensor b_out, "
+      "Tensor cos, Tensor sin, Tensor(a!) keys_t, Tensor(b!) values_t, Tensor(c!) key_scales, "
+      "Tensor(d!) value_scales, int heads, int position, int slot, int first, int count, "
+      "float scale) -> Tensor");
+  m.impl("decode_step", c10::DispatchKey::CPU, TORCH_FN(decode_step));
+}

@@ -1,0 +1,147 @@
+"""attnlab's native decode step for the CPU: one token per sequence through a whole
+MultiHeadAttention layer (fused projection, rotary positions, cache append, attention over
+the cache, output projection) in one C++ call, csrc/decode_step.cpp.
+
+Producing a token is bound by reading every weight and the whole cache once; the Python path
+(MultiHeadAttention._attend) reads them at a fraction of the bandwidth and pays dispatch
+per tensor operation, which dominates at short contexts and small caches. The kernel
+streams each weight once for the whole batch and each key/value head's cache once for the
+query heads sharing it, split in chunks of keys over the cores.
+
+It is built on first use with torch.utils.cpp_extension, as attnlab.flash_cpu is (about
+20 s, cached in TORCH_EXTENSIONS_DIR); where it cannot be built attnlab warns once and
+decodes with the Python path, which stays the reference it is tested against.
+ATTNLAB_NO_EXTENSION=1 turns it off.
+
+Shapes: x (b, 1, d_in) -> (b, 1, d_out); the cache's buffers (b, hkv, hd, capacity).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from attnlab.flash_cpu import _put_ninja_on_path, _vector_flags
+from attnlab.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from attnlab.attention import MultiHeadAttention
+
+_SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_EMPTY = torch.empty(0)
+
+
+@functools.cache
+def load_error() -> str | None:
+    """None once the extension is built and loaded, else why it is not."""
+    if os.environ.get("ATTNLAB_NO_EXTENSION") == "1":
+        return "turned off by ATTNLAB_NO_EXTENSION=1"
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        cpp_extension.load(
+            name="attnlab_decode_step",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *_vector_flags()],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # a missing compiler or symbol: fall back, say why once
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        warnings.warn(
+            f"attnlab's native CPU decode step is unavailable ({reason}); decoding with the "
+            f"Python path",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return reason
+    return None
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded (builds it on the first call)."""
+    return load_error() is None
+
+
+def handles(
+    module: MultiHeadAttention,
+    x: torch.Tensor,
+    cache: KVCache,
+    mask: torch.Tensor | None,
+    need_weights: bool,
+) -> bool:
+    """True when a checked cached call can take the native step: one float32 token per
+    sequence on the CPU, backend "auto", no mask, no weights, no dropout, nothing recording
+    gradients, plain nn.Linear projections, a cache whose window is the module's."""
+    if x.shape[1] != 1 or mask is not None or need_weights or module.backend != "auto":
+        return False
+    if x.dtype != torch.float32 or not x.is_cpu or cache.dtype not in _CACHE_DTYPES:
+        return False
+    if (module.training and module.dropout > 0) or not module.fused:
+        return False
+    if cache.rolling and cache.window != module.window:
+        return False
+    layers = (module.qkv_proj, module.out_proj)
+    if not all(_plain(layer) for layer in layers):
+        return False
+    if torch.is_grad_enabled() and _records_grad(x, layers, cache):
+        return False
+    return available()
+
+
+def _plain(layer: nn.Module) -> bool:
+    """An nn.Linear itself (not a subclass or wrapper), without hooks, contiguous weight."""
+    return (
+        type(layer) is nn.Linear
+        and not layer._forward_hooks
+        and not layer._forward_pre_hooks
+        and layer.weight.is_contiguous()
+    )
+
+
+def _records_grad(x: torch.Tensor, layers, cache: KVCache) -> bool:
+    if x.requires_grad or cache.records_grad:
+        return True
+    return any(p.requires_grad for layer in layers for p in layer.parameters())
+
+
+def step(module: MultiHeadAttention, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    """The cached call for one token per sequence (the caller checked it and `handles`):
+    appends its keys and values at position `start` and returns the output (b, 1, d_out)."""
+    slot, first, count = cache.native_slots(start, module.window)
+    rope = module.rope
+    key_scales, value_scales = cache.scales
+    out = torch.ops.attnlab_decode.decode_step(
+        x.reshape(x.shape[0], x.shape[2]).contiguous(),  # (b, d_in)
+        module.qkv_proj.weight,
+        _or_empty(module.qkv_proj.bias),
+        module.out_proj.weight,
+        _or_empty(module.out_proj.bias),
+        _EMPTY if rope is None else rope.cos,
+        _EMPTY if rope is None else rope.sin,
+        cache.keys_t,
+        cache.values_t,
+        key_scales,
+        value_scales,
+        module.num_heads,
+        start,
+        slot,
+        first,
+        count,
+        1.0 / math.sqrt(module.head_dim),
+    )
+    cache.position = start + 1
+    return out.unsqueeze(1)  # (b, d_out) -> (b, 1, d_out)
+
+
+def _or_empty(tensor: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if tensor is None else tensor
