@@ -76,7 +76,7 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = check_int("num_heads", num_heads)
         check_divides("num_heads", num_heads, "d_out", d_out)
         check_dropout("dropout", dropout)
-        self.head_dim = d_out // num_heads
+        self.head_dim = self.d_out // self.num_heads
         check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)

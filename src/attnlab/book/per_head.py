@@ -39,8 +39,8 @@ class MultiHeadSelfAttention(nn.Module):
             raise ValueError(
                 f"heads ({heads}) must be <= D ({D}) when kdim or vdim defaults to D // heads"
             )
-        self._kdim = check_int("kdim", kdim) if kdim is not None else D // heads
-        self._vdim = check_int("vdim", vdim) if vdim is not None else D // heads
+        self._kdim = check_int("kdim", kdim) if kdim is not None else self._D // self._heads
+        self._vdim = check_int("vdim", vdim) if vdim is not None else self._D // self._heads
         for h in range(self._heads):
             setattr(self, f"_wq_h{h}", nn.Parameter(torch.randn(self._D, self._kdim)))
             setattr(self, f"_wk_h{h}", nn.Parameter(torch.randn(self._D, self._kdim)))

@@ -118,11 +118,12 @@ def from_torch_masks(
         attn_mask = _per_head(attn_mask, num_heads)
     padding = None
     if key_padding_mask is not None:
-        kpm = masks.from_torch_mask(_batch_keys("key_padding_mask", key_padding_mask))
+        kpm = _batch_keys("key_padding_mask", key_padding_mask)
+        kpm = masks.from_torch_mask(kpm, name="key_padding_mask")
         padding = kpm[:, None, None, :]  # (b, 1, 1, tk)
     if attn_mask is None:
         return padding
-    attn = masks.from_torch_mask(attn_mask)
+    attn = masks.from_torch_mask(attn_mask, name="attn_mask")
     if padding is None:
         return attn
     if attn.dtype == torch.bool and padding.dtype == torch.bool:
