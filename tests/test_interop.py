@@ -218,3 +218,64 @@ def test_from_book_keeps_configuration_and_outputs():
 def test_refusals(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+@given(
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_to_book_gives_the_same_outputs_and_round_trips(num_kv_heads, bias, seed):
+    """to_book is from_book's inverse: the book's class (grouped-query heads repeated)
+    gives the production module's outputs, and from_book of it gives them again."""
+    torch.manual_seed(seed)
+    ours = MultiHeadAttention(6, 8, 10, 0.0, 4, qkv_bias=bias, num_kv_heads=num_kv_heads).eval()
+    theirs = interop.to_book(ours).eval()
+    assert isinstance(theirs, book.MultiHeadAttention)
+    x = torch.randn(2, 7, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), ours(x), atol=1e-6, rtol=1e-5)
+        back = interop.from_book(theirs).eval()
+        torch.testing.assert_close(back(x), ours(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(causal=False), "causal=False"),
+        (dict(rope=True), "rope=True"),
+        (dict(window=3), "window=3"),
+        (dict(context_dim=5), "context_dim=5 != d_in=6"),
+    ],
+)
+def test_to_book_refuses_what_the_book_cannot_hold(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        interop.to_book(MultiHeadAttention(6, 8, 10, 0.0, 4, **kwargs))
+    with pytest.raises(TypeError, match=r"m must be an attnlab\.MultiHeadAttention"):
+        interop.to_book(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("context_dim", [None, 5])
+def test_qkv_weights_read_and_write_either_layout(context_dim):
+    """The module's one public way to the query/key/value weights: views of the fused or
+    the split layout, and load_qkv_weights writes them back (shapes checked first)."""
+    torch.manual_seed(2)
+    m = MultiHeadAttention(6, 8, 10, 0.0, 4, qkv_bias=True, num_kv_heads=2, context_dim=context_dim)
+    w = m.qkv_weights()
+    width = 6 if context_dim is None else context_dim
+    assert w.q_weight.shape == (8, 6) and w.k_weight.shape == w.v_weight.shape == (4, width)
+    assert w.q_bias.shape == (8,) and w.v_bias.shape == (4,)
+    fresh = [torch.randn_like(t) for t in w]
+    m.load_qkv_weights(type(w)(*fresh))
+    for new, now in zip(fresh, m.qkv_weights(), strict=True):
+        assert torch.equal(new, now)
+    with pytest.raises(ValueError, match=r"weights.k_weight has shape \(3, 6\)"):
+        m.load_qkv_weights(w._replace(k_weight=torch.zeros(3, 6)))
+    with pytest.raises(ValueError, match=r"weights\.q_bias has shape None"):
+        m.load_qkv_weights(w._replace(q_bias=None))
+
+
+def test_interop_shows_only_its_functions():
+    public = {name for name in dir(interop) if not name.startswith("_")}
+    assert not public & {"nn", "torch", "check_int", "masks", "MultiHeadAttention"}
+    assert set(interop.__all__) <= public

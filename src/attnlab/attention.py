@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from attnlab import decode_cpu, functional, masks
+from attnlab import decode_cpu, functional, masks, qkv
 from attnlab._validate import (
     check_bool,
     check_divides,
@@ -29,7 +29,6 @@ from attnlab.kv_cache import KVCache
 from attnlab.projection import project
 from attnlab.rope import RotaryEmbedding, check_base
 
-_BOOK_PROJECTIONS = ("W_query", "W_key", "W_value")
 _CACHED_MASK = "(batch, heads, queries, positions so far)"
 
 
@@ -377,22 +376,51 @@ class MultiHeadAttention(nn.Module):
         if context is None:
             qkv = self._split_heads(project(x, self.qkv_proj), -1)  # (b, h + 2 hkv, t, hd)
             return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q_weight, kv_weight, q_bias, kv_bias = self._split_projection()
-        q = nn.functional.linear(x, q_weight, q_bias)
-        kv = self._split_heads(nn.functional.linear(context, kv_weight, kv_bias), -1)
-        return (self._split_heads(q, self.num_heads), *kv.chunk(2, dim=1))
+        w = self.qkv_weights()
+        q = nn.functional.linear(x, w.q_weight, w.q_bias)  # (b, tq, d_out)
+        k = nn.functional.linear(context, w.k_weight, w.k_bias)  # (b, tk, kv_dim)
+        v = nn.functional.linear(context, w.v_weight, w.v_bias)
+        return tuple(self._split_heads(t, -1) for t in (q, k, v))
 
-    def _split_projection(self):
-        """(query weight, key/value weight, query bias, key/value bias) for cross-attention."""
-        if not self.fused:
-            return self.q_proj.weight, self.kv_proj.weight, self.q_proj.bias, self.kv_proj.bias
-        bias = self.qkv_proj.bias
-        return (
-            self.qkv_proj.weight[: self.d_out],
-            self.qkv_proj.weight[self.d_out :],
-            None if bias is None else bias[: self.d_out],
-            None if bias is None else bias[self.d_out :],
+    def qkv_weights(self) -> qkv.QKVWeights:
+        """The query, key and value projections as views of whichever layout stores them.
+
+        Returns:
+            QKVWeights: q_weight (d_out, d_in), k_weight and v_weight (kv_dim, context_dim),
+            and the biases (d_out,), (kv_dim,), (kv_dim,), or None without qkv_bias.
+            They share storage with the parameters (detach or clone to keep a copy).
+        """
+        if self.fused:
+            proj, kv_rows = self.qkv_proj, self.kv_dim
+            weights = qkv.split_rows(proj.weight, self.d_out, kv_rows)
+            return qkv.QKVWeights(*weights, *qkv.split_rows(proj.bias, self.d_out, kv_rows))
+        k_weight, v_weight = self.kv_proj.weight.chunk(2)  # (kv_dim, context_dim) each
+        k_bias, v_bias = (None, None) if self.kv_proj.bias is None else self.kv_proj.bias.chunk(2)
+        return qkv.QKVWeights(
+            self.q_proj.weight, k_weight, v_weight, self.q_proj.bias, k_bias, v_bias
         )
+
+    def load_qkv_weights(self, weights: qkv.QKVWeights) -> None:
+        """Copy query, key and value weights (and biases) into this module, whichever
+        layout stores them; the inverse of qkv_weights().
+
+        Args:
+            weights: shapes as qkv_weights() returns them; biases None for a module
+                without qkv_bias (and given for one with it).
+
+        Raises:
+            ValueError: a shape that does not fit, or biases given or missing.
+        """
+        mine = self.qkv_weights()
+        for name, new, old in zip(qkv.QKVWeights._fields, weights, mine, strict=True):
+            if (new is None) != (old is None) or (new is not None and new.shape != old.shape):
+                shape = None if new is None else tuple(new.shape)
+                want = None if old is None else tuple(old.shape)
+                raise ValueError(f"weights.{name} has shape {shape}; this module needs {want}")
+        with torch.no_grad():
+            for new, old in zip(weights, mine, strict=True):
+                if new is not None:
+                    old.copy_(new)
 
     def _split_heads(self, projected: torch.Tensor, heads: int) -> torch.Tensor:
         """Heads of head_dim features each (heads=-1: as many as the width holds)."""
@@ -453,8 +481,8 @@ def _at_positions(weights: torch.Tensor, key_positions: torch.Tensor, num: int) 
 
 def _book_state_dict_hook(module, state_dict, prefix, *_args) -> None:
     """Convert a state_dict saved from attnlab.book.MultiHeadAttention (W_query, W_key,
-    W_value, out_proj, mask) to this module's fused layout, in place, before loading."""
-    if prefix + "W_query.weight" not in state_dict:
+    W_value, out_proj, mask) to this module's layout, in place, before loading."""
+    if not qkv.is_book_state(state_dict, prefix):
         return
     if module.num_kv_heads != module.num_heads:
         raise ValueError(
@@ -462,16 +490,4 @@ def _book_state_dict_hook(module, state_dict, prefix, *_args) -> None:
             f"this module has num_kv_heads ({module.num_kv_heads}) != num_heads "
             f"({module.num_heads})"
         )
-    state_dict.pop(prefix + "mask", None)  # the book's causal mask buffer: rebuilt as needed
-    for kind in ("weight", "bias"):
-        names = [f"{prefix}{p}.{kind}" for p in _BOOK_PROJECTIONS]
-        if not any(n in state_dict for n in names):
-            continue
-        if not all(n in state_dict for n in names):
-            continue  # partial: leave the keys for load_state_dict to report
-        q, k, v = (state_dict.pop(n) for n in names)
-        if module.fused:
-            state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat([q, k, v])
-        else:
-            state_dict[f"{prefix}q_proj.{kind}"] = q
-            state_dict[f"{prefix}kv_proj.{kind}"] = torch.cat([k, v])
+    qkv.book_to_module_state(state_dict, prefix, module.fused)

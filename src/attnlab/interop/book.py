@@ -1,0 +1,90 @@
+"""Conversions between attnlab.MultiHeadAttention and the book's MultiHeadAttention
+(attnlab.book, section 3.6.2), both ways. Weights are copied, never shared, and each
+conversion gives the same outputs as its source."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab import book
+from attnlab.attention import MultiHeadAttention
+
+
+def from_book(m: nn.Module) -> MultiHeadAttention:
+    """attnlab's MultiHeadAttention with the configuration and weights of the book's
+    MultiHeadAttention `m` (attnlab.book.MultiHeadAttention or a class with its layout)."""
+    for name in ("d_in", "d_out", "context_length", "num_heads", "W_query", "dropout"):
+        if not hasattr(m, name):
+            raise TypeError(f"m has no {name!r}: it is not a book MultiHeadAttention")
+    weight = m.W_query.weight
+    module = MultiHeadAttention(
+        m.d_in,
+        m.d_out,
+        m.context_length,
+        m.dropout.p,
+        m.num_heads,
+        qkv_bias=m.W_query.bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    module.load_state_dict(m.state_dict())
+    return module
+
+
+def to_book(m: MultiHeadAttention) -> book.MultiHeadAttention:
+    """The book's MultiHeadAttention with the configuration and weights of `m`, giving the
+    same outputs (in eval mode; dropout draws differ).
+
+    Grouped-query key/value heads are repeated for each query head they serve (the book
+    has one per query head), which changes nothing in the outputs.
+
+    Args:
+        m: an attnlab.MultiHeadAttention of causal self-attention without rope or a window
+            (the book's class has neither) and with d_in == context_dim.
+
+    Returns:
+        attnlab.book.MultiHeadAttention on m's device and dtype.
+
+    Raises:
+        TypeError: m is not an attnlab.MultiHeadAttention.
+        ValueError: m's configuration has no equivalent in the book's class (the message
+            names the setting).
+    """
+    if not isinstance(m, MultiHeadAttention):
+        raise TypeError(f"m must be an attnlab.MultiHeadAttention, got {type(m).__name__}")
+    unsupported = {
+        "causal=False": not m.causal,
+        "rope=True": m.rope is not None,
+        f"window={m.window}": m.window is not None,
+        f"context_dim={m.context_dim} != d_in={m.d_in}": not m.fused,
+    }
+    refused = [name for name, present in unsupported.items() if present]
+    if refused:
+        raise ValueError(
+            f"the book's MultiHeadAttention is causal self-attention without rope or a "
+            f"window; m has {', '.join(refused)}"
+        )
+    weight = m.out_proj.weight
+    result = book.MultiHeadAttention(
+        m.d_in, m.d_out, m.context_length, m.dropout, m.num_heads, qkv_bias=m.qkv_bias
+    ).to(device=weight.device, dtype=weight.dtype)
+    w = m.qkv_weights()
+    groups = m.num_heads // m.num_kv_heads
+    with torch.no_grad():
+        for layer, weight_rows, bias_rows in zip(
+            (result.W_query, result.W_key, result.W_value), w.weights, w.biases, strict=True
+        ):
+            layer.weight.copy_(_per_query_head(weight_rows, m, groups))
+            if bias_rows is not None:
+                layer.bias.copy_(_per_query_head(bias_rows, m, groups))
+        result.out_proj.load_state_dict(m.out_proj.state_dict())
+    return result
+
+
+def _per_query_head(rows: torch.Tensor, m: MultiHeadAttention, groups: int) -> torch.Tensor:
+    """Query rows as they are; key/value rows (hkv * hd, ...) repeated per query head."""
+    if rows.shape[0] == m.d_out or groups == 1:
+        return rows
+    heads = rows.reshape(m.num_kv_heads, m.head_dim, *rows.shape[1:])  # (hkv, hd, ...)
+    return heads.repeat_interleave(groups, dim=0).reshape(m.d_out, *rows.shape[1:])
