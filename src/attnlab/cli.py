@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from attnlab import __version__
+from attnlab import __version__, prebuild
 from attnlab.bench.cli import add_parser as add_bench_parser
 from attnlab.bench.cli import run as run_bench
 from attnlab.check import cli as check_cli
@@ -20,7 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="walk through the chapter on the six-token example, with heatmaps"
+        "demo",
+        help="walk through the chapter on the six-token example, with heatmaps",
+        description=(
+            "Walk through the chapter on its six-token example: each step's tensors printed "
+            "and checked against the book's, and heatmaps of the attention weights saved as "
+            "PNG files in --out."
+        ),
     )
     demo.add_argument(
         "--out",
@@ -30,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check_cli.add_parser(commands)
     add_bench_parser(commands)
+    prebuild.add_parser(commands)
     return parser
 
 
@@ -48,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(parser, args)
     if args.command == "check":
         return check_cli.run(args)
+    if args.command == "build":
+        return prebuild.run(args)
     parser.print_help()
     return 2
 

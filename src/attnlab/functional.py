@@ -462,9 +462,10 @@ def _padded_key_ranges(qkv, mask, causal) -> tuple[list[int], list[int]] | None:
 
 
 def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:
-    """Causal float32 attention on the CPU with more than a few queries: attnlab's kernel
-    skips the masked half that PyTorch's computes in part (when it could be built). Not
-    under torch.compile, which traces SDPA into its own graph instead."""
+    """Causal float32 attention on the CPU with more than a few queries, where attnlab's
+    kernel wins (flash_cpu.preferred: its vectorised build, loaded): it skips the masked
+    half that PyTorch's computes in part. Not under torch.compile, which traces SDPA into
+    its own graph instead."""
     q, k, _ = qkv
     return (
         causal
@@ -473,7 +474,7 @@ def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) 
         and q.shape[2] > 32
         and k.shape[2] > 0
         and flash_cpu.supports(q.dtype, q.device, tuple(t.shape[-1] for t in qkv))
-        and flash_cpu.available()
+        and flash_cpu.preferred()
     )
 
 

@@ -1,0 +1,180 @@
+"""Building attnlab's C++ extensions (csrc/) once per environment, shared by every kernel.
+
+torch.utils.cpp_extension builds into TORCH_EXTENSIONS_DIR/<name>/ and rebuilds whenever
+the build's inputs differ from the last build under that name, so two virtual environments
+sharing one name rebuild each other's kernel at every switch. Here the name carries a hash
+of everything that changes the binary: the torch build, the Python ABI, the machine, the
+compiler, the flags and the source. Each environment keeps its own build, loaded directly
+on later runs; a build says so in one line on stderr with its duration; a failure is one
+line saying what is missing and how to turn the extensions off (ATTNLAB_NO_EXTENSION=1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+OFF_VARIABLE = "ATTNLAB_NO_EXTENSION"
+_HOW_TO_SKIP = f"{OFF_VARIABLE}=1 skips the build"
+_MACOS = "not built on macOS (Apple's clang has no OpenMP and Accelerate may not export sgemm_)"
+
+
+def vectorised() -> bool:
+    """True where the build gets ATen's AVX2 vectors: x86-64 with PyTorch's capability AVX2
+    or AVX-512. Elsewhere the build is ATen's portable one (CPU_CAPABILITY=DEFAULT: scalar
+    on x86, NEON on aarch64)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return platform.machine() in ("x86_64", "AMD64") and capability in ("AVX2", "AVX512")
+
+
+def vector_flags() -> list[str]:
+    """Compiler flags for ATen's vector types on this CPU (see `vectorised`)."""
+    if vectorised():
+        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def cflags() -> list[str]:
+    """The compiler flags every attnlab extension is built with."""
+    return ["-O3", "-fopenmp", *vector_flags()]
+
+
+LDFLAGS = ["-fopenmp"]
+
+
+def build_key(source: Path, flags: list[str], ldflags: list[str]) -> dict[str, str]:
+    """Everything that changes the binary built from `source` with these flags."""
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)
+    return {
+        "torch": f"{torch.__version__} {torch.version.git_version}",
+        "python": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('SOABI')}",
+        "machine": platform.machine(),
+        "compiler": os.path.realpath(found) if found else compiler,
+        "cflags": " ".join(flags),
+        "ldflags": " ".join(ldflags),
+        "source": hashlib.sha256(source.read_bytes()).hexdigest(),
+    }
+
+
+def extension_name(base: str, source: Path, flags: list[str], ldflags: list[str]) -> str:
+    """`base` and a 12-digit hash of the build key: one name, one folder, per binary."""
+    key = json.dumps(build_key(source, flags, ldflags), sort_keys=True)
+    return f"{base}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """The folder cpp_extension builds extension `name` in (TORCH_EXTENSIONS_DIR/name)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def load(base: str, source: Path, what: str, fallback: str) -> str | None:
+    """Build (once per build key) and load the extension of `source` (its operators
+    register themselves with torch.ops).
+
+    Args:
+        base: the extension's name before the key's hash, e.g. "attnlab_causal_flash".
+        source: its C++ file.
+        what: what it is, for the messages ("attnlab's causal kernel").
+        fallback: what runs instead when it is unavailable ("PyTorch's SDPA").
+
+    Returns:
+        None once it is loaded, else the one-line reason it is not; a failure is also
+        warned (RuntimeWarning) in one line naming ATTNLAB_NO_EXTENSION=1.
+    """
+    if os.environ.get(OFF_VARIABLE) == "1":
+        return f"turned off by {OFF_VARIABLE}=1"
+    reason = _missing() or _build_and_load(base, source, what)
+    if reason is not None:
+        warnings.warn(
+            f"{what} is unavailable: {reason}; using {fallback} ({_HOW_TO_SKIP})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return reason
+
+
+def _missing() -> str | None:
+    """What the build needs and this machine lacks, before torch is asked to build."""
+    if platform.system() == "Darwin":
+        return _MACOS
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH; install g++ or set CXX)"
+    put_ninja_on_path()
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _build_and_load(base: str, source: Path, what: str) -> str | None:
+    flags = cflags()
+    name = extension_name(base, source, flags, LDFLAGS)
+    built = build_directory(name) / f"{name}.so"
+    if built.exists() and _load_library(built):
+        return None
+    print(f"attnlab: building {what} for this environment (once) ...", end="", file=sys.stderr)
+    sys.stderr.flush()
+    start = time.perf_counter()
+    from torch.utils import cpp_extension
+
+    try:
+        with warnings.catch_warnings():  # torch's compiler checks: the error says enough
+            warnings.simplefilter("ignore")
+            cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=flags,
+                extra_ldflags=LDFLAGS,
+                is_python_module=False,
+            )
+    except Exception as error:  # a failed compile, link or load: say why in one line
+        print(" failed", file=sys.stderr)
+        return first_error(error)
+    print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return None
+
+
+def _load_library(path: Path) -> bool:
+    """Load a finished build directly (no compiler check, no ninja); False if it fails."""
+    try:
+        torch.ops.load_library(str(path))
+    except OSError:  # an interrupted build: let cpp_extension build it again
+        return False
+    return True
+
+
+def first_error(error: Exception) -> str:
+    """The one line of a failed build that says what went wrong: the compiler's or the
+    linker's first error, else the last line of the message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        lowered = line.lower()
+        if "error:" in lowered or "undefined symbol" in lowered or "undefined reference" in lowered:
+            return f"{type(error).__name__}: {line[:300]}"
+    last = lines[-1] if lines else "no message"
+    return f"{type(error).__name__}: {last[:300]}"
+
+
+def put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja package (a dependency) installs it
+    beside the interpreter, which is not on PATH when a venv is used without activation."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
