@@ -24,7 +24,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from attnlab import flash_cpu, masks, padded
+from attnlab import flash_cpu, heads, masks, padded
 from attnlab._validate import (
     check_additive_mask,
     check_bool,
@@ -234,8 +234,7 @@ def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):
     if hq != hkv and _SDPA_HAS_GQA:
         gqa = {"enable_gqa": True}
     elif hq != hkv:  # older torch: repeat the key/value heads
-        k = k.repeat_interleave(hq // hkv, dim=1)  # (b, hq, tk, hd)
-        v = v.repeat_interleave(hq // hkv, dim=1)  # (b, hq, tk, hdv)
+        k, v = heads.repeat_kv(k, hq // hkv), heads.repeat_kv(v, hq // hkv)  # (b, hq, tk, .)
     if allowed is None and bias is None:  # nothing can empty a row: no mask tensor needed
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, scale=scale, is_causal=is_causal, **gqa

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from attnlab import heads
 from attnlab.parallel.checks import check_arguments
 from attnlab.parallel.layout import Layout, block_for
 
@@ -261,7 +262,7 @@ def _block_backward(grad_out, q, k, v, out, lse, block, plan: _Plan):
             block.causal,
             scale=plan.scale,
         )
-        dk, dv = (_sum_groups(t.to(plan.acc), groups) for t in (dk, dv))
+        dk, dv = (heads.sum_groups(t.to(plan.acc), groups) for t in (dk, dv))
         return dq.to(plan.acc), dk, dv
     k_full, v_full = k_full.to(plan.acc), v_full.to(plan.acc)
     scores = _scores(q, k_full, block.causal, plan)
@@ -273,15 +274,7 @@ def _block_backward(grad_out, q, k, v, out, lse, block, plan: _Plan):
     ds = p * (dp - delta) * plan.scale
     dq = ds @ k_full
     dk = ds.transpose(-2, -1) @ q.to(plan.acc)
-    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
-
-
-def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """Gradient of key/value heads repeated `groups` times, summed back onto each head."""
-    if groups == 1:
-        return grad
-    b, hq, n, d = grad.shape
-    return grad.view(b, hq // groups, groups, n, d).sum(2)  # (b, hkv, n, d)
+    return dq, heads.sum_groups(dk, groups), heads.sum_groups(dv, groups)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, plan: _Plan) -> torch.Tensor:
@@ -296,7 +289,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, plan: _Plan) -> torc
 
 def _expand_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     groups = q.shape[1] // kv.shape[1]
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)  # (b, g, n, d)
+    return heads.repeat_kv(kv, groups)  # (b, g, n, d)
 
 
 def _merge(out, lse, block_out, block_lse) -> None:
