@@ -1,5 +1,6 @@
 """The `attnlab` command line."""
 
+import os
 import subprocess
 import sys
 
@@ -34,3 +35,44 @@ def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     else:
         raise AssertionError("expected a usage error")
     assert "exists and is not a folder" in capsys.readouterr().err
+
+
+def test_demo_help_has_a_description(capsys):
+    try:
+        cli.main(["demo", "--help"])
+    except SystemExit as stop:
+        assert stop.code == 0
+    out = capsys.readouterr().out
+    assert "six-token example" in out.split("options:")[0].split("\n", 2)[2]
+
+
+def test_build_builds_every_extension_ahead_of_time(monkeypatch, capsys):
+    from attnlab import decode_cpu, flash_cpu
+
+    monkeypatch.setattr(flash_cpu, "load_error", lambda: None)
+    monkeypatch.setattr(decode_cpu, "load_error", lambda: "no C++ compiler")
+    assert cli.main(["build"]) == 1
+    captured = capsys.readouterr()
+    assert "attnlab.flash_cpu: ready" in captured.out
+    assert "attnlab.decode_cpu: unavailable: no C++ compiler" in captured.err
+
+
+def test_build_turned_off_says_so():
+    result = subprocess.run(
+        [sys.executable, "-m", "attnlab", "build"],
+        env={**os.environ, "ATTNLAB_NO_EXTENSION": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert result.stderr.count("turned off by ATTNLAB_NO_EXTENSION=1") == 2
+
+
+def test_a_check_usage_error_prints_the_check_usage(capsys):
+    try:
+        cli.main(["check", "--no-such-option"])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("expected a usage error")
+    assert "usage: attnlab check" in capsys.readouterr().err

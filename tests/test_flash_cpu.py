@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlab import flash_cpu, masks
+from attnlab import _build, flash_cpu, functional, masks
 from attnlab.functional import attention
 from tests.reference import reference
 
@@ -179,3 +179,44 @@ def test_a_mask_that_requires_grad_keeps_its_gradient():
     torch.testing.assert_close(grad, expected, atol=ATOL, rtol=1e-4)
     with pytest.raises(ValueError, match="no gradient to the mask"):
         attention(q, k, v, mask=bias, causal=True, backend="flash")
+
+
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_auto_takes_the_kernel_only_for_its_vectorised_build(vectorised, monkeypatch):
+    """The portable build (CPU_CAPABILITY=DEFAULT) is slower than SDPA: auto takes SDPA there
+    without building the kernel at all."""
+    monkeypatch.setattr(_build, "vectorised", lambda: vectorised)
+    if not vectorised:
+        monkeypatch.setattr(flash_cpu, "available", lambda: pytest.fail("built for nothing"))
+    elif not flash_cpu.available():
+        pytest.skip("the CPU kernel is not built here")
+    q, k, v = _qkv(1, 4, 4, 200, 200, 32, seed=9)
+    assert functional._flash_helps((q, k, v), True, 0.0) is vectorised
+    expected = attention(q, k, v, causal=True, backend="flash" if vectorised else "sdpa")
+    assert torch.equal(attention(q, k, v, causal=True), expected)
+
+
+def test_auto_takes_sdpa_on_macos_without_building(monkeypatch):
+    monkeypatch.setattr(_build, "vectorised", lambda: True)
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(flash_cpu, "available", lambda: pytest.fail("built on macOS"))
+    assert not flash_cpu.preferred()
+
+
+def test_without_a_compiler_one_warning_line_and_pytorch(tmp_path):
+    code = (
+        "import torch; from attnlab.functional import attention;"
+        "q = torch.randn(1, 2, 64, 8);"
+        "out = attention(q, q, q, causal=True, backend='auto');"
+        "print(torch.allclose(out, attention(q, q, q, causal=True, backend='math'), atol=1e-5))"
+    )
+    env = os.environ | {"CXX": "attnlab-no-such-compiler", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop("ATTNLAB_NO_EXTENSION", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["True"]
+    warned = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 1, result.stderr
+    assert "no C++ compiler" in warned[0] and "ATTNLAB_NO_EXTENSION=1" in warned[0]
+    assert "ninja" not in result.stderr and list(tmp_path.iterdir()) == []

@@ -1,0 +1,165 @@
+"""attnlab._build: the kernels' build is keyed by everything that changes the binary (one
+folder per key, so two environments never rebuild each other's), says in one stderr line
+that it builds and how long it took, loads a finished build directly, and fails in one line
+naming ATTNLAB_NO_EXTENSION=1."""
+
+import platform
+import sys
+import sysconfig
+import warnings
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from attnlab import _build
+
+FLAGS, LDFLAGS = ["-O3", "-DCPU_CAPABILITY=DEFAULT"], ["-fopenmp"]
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "kernel.cpp"
+    path.write_text("// a kernel\n")
+    return path
+
+
+def _name(source, flags=FLAGS, ldflags=LDFLAGS):
+    return _build.extension_name("attnlab_test", source, flags, ldflags)
+
+
+def _soabi(value):
+    real = sysconfig.get_config_var
+    return lambda name: value if name == "SOABI" else real(name)
+
+
+CHANGES = {
+    "torch version": lambda mp, src: mp.setattr(torch, "__version__", "1.0.0+other"),
+    "python version": lambda mp, src: mp.setattr(sys.implementation, "cache_tag", "cpython-99"),
+    "python abi": lambda mp, src: mp.setattr(sysconfig, "get_config_var", _soabi("other-abi")),
+    "machine": lambda mp, src: mp.setattr(platform, "machine", lambda: "other-machine"),
+    "compiler": lambda mp, src: mp.setenv("CXX", "attnlab-other-compiler"),
+    "source": lambda mp, src: src.write_text("// another kernel\n"),
+}
+
+
+@pytest.mark.parametrize("component", CHANGES)
+def test_the_name_changes_with_each_component_of_the_environment(component, source, monkeypatch):
+    before = _name(source)
+    CHANGES[component](monkeypatch, source)
+    assert _name(source) != before
+
+
+def test_the_name_changes_with_the_flags(source):
+    assert _name(source, flags=["-O2"]) != _name(source)
+    assert _name(source, ldflags=[]) != _name(source)
+
+
+def test_the_same_environment_gives_the_same_name(source):
+    assert _name(source) == _name(source)
+    assert _name(source).startswith("attnlab_test_")
+
+
+def test_two_keys_build_in_two_folders(source, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    first = _build.build_directory(_name(source))
+    monkeypatch.setattr(torch, "__version__", "1.0.0+other")
+    second = _build.build_directory(_name(source))
+    assert first != second and first.parent == second.parent == tmp_path / "cache"
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """cpp_extension.load recorded instead of run, in an empty extensions folder."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_missing", lambda: None)
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_a_build_says_so_in_one_line_with_its_duration(fake_build, source, capsys):
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert len(fake_build) == 1 and fake_build[0]["name"].startswith("attnlab_test_")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("attnlab: building the test kernel") and lines[0].endswith(" s")
+
+
+def test_a_finished_build_is_loaded_without_building(fake_build, source, capsys, monkeypatch):
+    name = _name(source, _build.cflags(), _build.LDFLAGS)
+    folder = _build.build_directory(name)
+    (folder / f"{name}.so").write_bytes(b"")
+    loaded = []
+    monkeypatch.setattr(_build, "_load_library", lambda path: loaded.append(path) or True)
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert fake_build == [] and loaded == [folder / f"{name}.so"]
+    assert capsys.readouterr().err == ""
+
+
+COMPILER_OUTPUT = (
+    "Error building extension 'attnlab_test_0123': [1/2] c++ -MMD -MF kernel.o.d -O3 "
+    "-c kernel.cpp -o kernel.o\nFAILED: kernel.o\nIn file included from kernel.cpp:1:\n"
+    "kernel.cpp:3:10: fatal error: Python.h: No such file or directory\n"
+    "compilation terminated.\nninja: build stopped: subcommand failed.\n"
+)
+
+
+def _fail(**kwargs):
+    raise RuntimeError(COMPILER_OUTPUT)
+
+
+def test_a_failed_build_is_one_line_naming_the_switch(fake_build, source, monkeypatch, capsys):
+    monkeypatch.setattr(cpp_extension, "load", _fail)
+    with pytest.warns(RuntimeWarning) as record:
+        reason = _build.load("attnlab_test", source, "the test kernel", "Python")
+    assert (
+        reason == "RuntimeError: kernel.cpp:3:10: fatal error: Python.h: No such file or directory"
+    )
+    (warning,) = record
+    message = str(warning.message)
+    assert "\n" not in message and "ninja: build stopped" not in message
+    assert "Python.h" in message and "ATTNLAB_NO_EXTENSION=1" in message
+    assert capsys.readouterr().err.endswith(" failed\n")
+
+
+def test_no_compiler_is_said_before_torch_is_asked(source, monkeypatch):
+    monkeypatch.setenv("CXX", "attnlab-no-such-compiler")
+    monkeypatch.setattr(cpp_extension, "load", _fail)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*ATTNLAB_NO_EXTENSION=1"):
+        reason = _build.load("attnlab_test", source, "the test kernel", "Python")
+    assert "'attnlab-no-such-compiler' is not on PATH" in reason
+
+
+def test_macos_is_not_built(source, monkeypatch):
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(cpp_extension, "load", _fail)
+    with pytest.warns(RuntimeWarning, match="macOS"):
+        reason = _build.load("attnlab_test", source, "the test kernel", "Python")
+    assert "OpenMP" in reason and "sgemm_" in reason
+
+
+def test_turned_off_it_neither_builds_nor_warns(source, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_NO_EXTENSION", "1")
+    monkeypatch.setattr(cpp_extension, "load", _fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (
+            _build.load("attnlab_test", source, "x", "y") == "turned off by ATTNLAB_NO_EXTENSION=1"
+        )
+
+
+@pytest.mark.parametrize(
+    ("machine", "capability", "vectorised"),
+    [
+        ("x86_64", "AVX512", True),
+        ("x86_64", "AVX2", True),
+        ("x86_64", "DEFAULT", False),
+        ("aarch64", "DEFAULT", False),
+    ],
+)
+def test_the_vectorised_build_is_x86_avx2(machine, capability, vectorised, monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert _build.vectorised() is vectorised
+    assert ("-DCPU_CAPABILITY=AVX2" in _build.vector_flags()) is vectorised
