@@ -127,7 +127,7 @@ def test_module_that_never_runs_skips_the_rest():
     ("call", "error", "message"),
     [
         (lambda: audit("not a module"), TypeError, "module must be a torch.nn.Module"),
-        (lambda: audit(nn.Identity()), ValueError, "pass d_in"),
+        (lambda: audit(nn.Identity()), ValueError, "pass --d-in N .* or d_in=N"),
         (lambda: audit(book.CausalAttention(4, 4, 6, 0.0), causal=1), TypeError, "causal"),
     ],
 )

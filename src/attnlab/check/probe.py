@@ -1,6 +1,11 @@
 """How the auditor calls someone's attention module: (batch, tokens, d_in) in, the output
 tensor out, on a private copy of the module so that the audit never changes the user's.
 
+Two other layouts are called through the same (batch, tokens, d_in) door: a module whose
+`batch_first` attribute is False (nn.MultiheadAttention's default, its subclasses) gets
+(tokens, batch, d_in) and its output is transposed back; an unbatched module (the
+chapter's SelfAttention_v1/_v2, found by check_runs) gets one row at a time.
+
 d_in and context_length are read from the module when not given: the book's attribute
 names, its projections (W_query, qkv_proj, in_proj_weight, nn.Linear) and its mask buffer.
 """
@@ -8,6 +13,7 @@ names, its projections (W_query, qkv_proj, in_proj_weight, nn.Linear) and its ma
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -27,10 +33,22 @@ class Probe:
     dtype: torch.dtype
     takes_qkv: bool  # forward(query, key, value), as nn.MultiheadAttention
     num_heads: int | None = None  # from --init or the module, when found
+    seq_first: bool = False  # batch_first=False: the module takes (tokens, batch, d_in)
+    unbatched: bool = False  # the module takes (tokens, d_in) only: called row by row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The module's output for x (the first element when it returns a tuple); whatever
-        the module raises is marked as the module's (runner.user_code)."""
+        """The module's (batch, tokens, d_out) output for x (batch, tokens, d_in), in the
+        layout the module takes; whatever the module raises is marked as the module's
+        (runner.user_code)."""
+        if self.unbatched:
+            return torch.stack([self.call(row) for row in x])  # (batch, tokens, d_out)
+        if self.seq_first:
+            out = self.call(x.transpose(0, 1))  # (tokens, batch, d_out)
+            return out.transpose(0, 1) if out.dim() == 3 else out
+        return self.call(x)
+
+    def call(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's output for x as given (the first element when it returns a tuple)."""
         with user_code():
             out = self.module(x, x, x) if self.takes_qkv else self.module(x)
         if isinstance(out, tuple | list) and out:
@@ -41,10 +59,7 @@ class Probe:
 
     def copy(self) -> Probe:
         """The same probe on a deep copy of the module (for checks that change it)."""
-        module = copy.deepcopy(self.module)
-        return Probe(
-            module, self.d_in, self.context_length, self.dtype, self.takes_qkv, self.num_heads
-        )
+        return dataclasses.replace(self, module=copy.deepcopy(self.module))
 
     def inputs(self, batch: int, tokens: int, seed: int) -> torch.Tensor:
         """Standard-normal (batch, tokens, d_in) input from a private generator."""
@@ -84,8 +99,9 @@ def make_probe(
     d_in = d_in if d_in is not None else infer_d_in(module)
     if d_in is None:
         raise ValueError(
-            f"could not find the input width of {type(module).__name__} (no d_in attribute, "
-            f"W_query, qkv_proj, in_proj_weight or nn.Linear): pass d_in (--d-in N)"
+            f"could not find the input width of {type(module).__name__} (no d_in or "
+            f"embed_dim attribute, nn.Linear, Conv1D or in_proj_weight): pass --d-in N "
+            f"(attnlab check) or d_in=N (audit)"
         )
     if context_length is None:
         context_length = infer_context_length(module)
@@ -95,7 +111,10 @@ def make_probe(
         num_heads = infer_num_heads(module)
     with user_code():  # deepcopy runs the module's __deepcopy__/__reduce__, if it has one
         private = copy.deepcopy(module)
-    return Probe(private, d_in, context_length, dtype, _takes_qkv(module), num_heads)
+    seq_first = getattr(module, "batch_first", None) is False  # nn.MultiheadAttention's flag
+    return Probe(
+        private, d_in, context_length, dtype, _takes_qkv(module), num_heads, seq_first=seq_first
+    )
 
 
 _HEADS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
@@ -111,20 +130,41 @@ def infer_num_heads(module: nn.Module) -> int | None:
     return None
 
 
+_WIDTHS = ("d_in", "embed_dim", "d_model", "n_embd", "hidden_size", "dim")
+_PROJECTIONS = ("W_query", "qkv_proj", "q_proj", "qkv", "c_attn", "to_q", "wq", "query")
+
+
 def infer_d_in(module: nn.Module) -> int | None:
-    """The input width from the usual attribute names and projections."""
-    value = getattr(module, "d_in", None) or getattr(module, "embed_dim", None)
-    if isinstance(value, int):
-        return value
-    for name in ("W_query", "qkv_proj", "q_proj", "qkv", "c_attn"):
-        width = _in_width(getattr(module, name, None))
+    """The input width: the module's own width attribute or named projection first, then the
+    first submodule (in registration order) with one of them, or an nn.Linear / Conv1D
+    (GPT-2's, whose weight is (in, out)) or nn.MultiheadAttention's in_proj_weight."""
+    for part in module.modules():
+        width = _width_of(part)
         if width is not None:
             return width
-    weight = getattr(module, "in_proj_weight", None)
-    if isinstance(weight, torch.Tensor):
+    return None
+
+
+def _width_of(part: nn.Module) -> int | None:
+    """One module's input width from its attributes or its own layer, else None."""
+    for name in _WIDTHS:
+        value = getattr(part, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    for name in _PROJECTIONS:
+        width = _in_width(getattr(part, name, None))
+        if width is not None:
+            return width
+    weight = getattr(part, "in_proj_weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return weight.shape[1]
-    linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
-    return None if linear is None else linear.in_features
+    return _in_width(part) if isinstance(part, nn.Linear) or _is_conv1d(part) else None
+
+
+def _is_conv1d(part: object) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer with an (in, out) weight."""
+    weight = getattr(part, "weight", None)
+    return type(part).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
 
 
 _LENGTHS = ("context_length", "block_size", "n_positions", "max_position_embeddings")
@@ -155,6 +195,8 @@ def infer_context_length(module: nn.Module) -> int | None:
 def _in_width(layer: object) -> int | None:
     if isinstance(layer, nn.Linear):
         return layer.in_features
+    if _is_conv1d(layer) and layer.weight.dim() == 2:
+        return layer.weight.shape[0]  # Conv1D's weight is (in, out)
     if isinstance(layer, nn.Parameter) and layer.dim() == 2:
         return layer.shape[0]  # the book's SelfAttention_v1: x @ W, W is (d_in, d_out)
     return None

@@ -58,9 +58,14 @@ CAUSAL_CAUSES = [
 ]
 
 
+MAX_TOKENS = 512  # the longest input the properties try (a 131072-token context is not)
+LONG_INPUT_CAP = 4096  # long_input is skipped above this context_length
+
+
 def token_counts(probe: Probe) -> list[int]:
-    """Lengths to try: 1, 2, about half of context_length and context_length itself."""
-    top = probe.context_length or 8
+    """Lengths to try: 1, 2, about half of context_length and context_length itself, the
+    last at most MAX_TOKENS."""
+    top = min(probe.context_length or 8, MAX_TOKENS)
     return sorted({1, min(2, top), max(1, math.ceil(top / 2)), top})
 
 
@@ -83,14 +88,17 @@ def check_runs(probe: Probe, seed: int) -> tuple[PropertyResult, int | None]:
     if len(widths) > 1:
         problems.append(f"the output width changes with the input: {sorted(widths)}")
     if longest is None and _runs_unbatched(probe, seed):
-        probe.__class__ = UnbatchedProbe  # every later property calls it one row at a time
+        probe.unbatched = True  # every later property calls it one row at a time
         why = (
             "unbatched input only: (tokens, d_in) works, (batch, tokens, d_in) does not "
             f"({problems[0]}); the other properties call it one row at a time"
         )
         return warning(name, TITLES[name], why), max(token_counts(probe))
     if not problems:
-        return passed(name, TITLES[name], f"output (batch, tokens, {widths.pop()})"), longest
+        observed = f"output (batch, tokens, {widths.pop()})"
+        if probe.seq_first:
+            observed += "; called with (tokens, batch, d_in), as its batch_first=False says"
+        return passed(name, TITLES[name], observed), longest
     causes = ["the forward fails or reshapes wrongly for some batch sizes or token counts"]
     if longest == probe.context_length and longest is not None:
         causes.insert(
@@ -101,26 +109,12 @@ def check_runs(probe: Probe, seed: int) -> tuple[PropertyResult, int | None]:
     return failed(name, TITLES[name], "; ".join(problems[:4]), causes), longest
 
 
-class UnbatchedProbe(Probe):
-    """A probe on a module that takes (tokens, d_in), as the chapter's SelfAttention_v1/_v2:
-    a (batch, tokens, d_in) input is given one row at a time and the outputs stacked."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = [Probe.__call__(self, row) for row in x]  # each (tokens, d_out)
-        return torch.stack(rows)  # (batch, tokens, d_out)
-
-    def copy(self) -> Probe:
-        twin = Probe.copy(self)
-        twin.__class__ = UnbatchedProbe
-        return twin
-
-
 def _runs_unbatched(probe: Probe, seed: int) -> bool:
     """Whether every token count runs as (tokens, d_in) -> (tokens, d_out)."""
     for tokens in token_counts(probe):
         try:
             with torch.no_grad():
-                out = Probe.__call__(probe, probe.inputs(1, tokens, seed)[0])
+                out = probe.call(probe.inputs(1, tokens, seed)[0])
         except Exception:  # not unbatched either: the batched problems are the finding
             return False
         if out.dim() != 2 or out.shape[0] != tokens:
@@ -149,7 +143,14 @@ def check_causal(probe: Probe, tokens: int, seed: int) -> PropertyResult:
                 leaks[start] = (moved.nonzero().flatten().tolist(), diff.max().item())
     if not leaks:
         return passed(name, TITLES[name], f"checked at {tokens} tokens")
-    return _leak(probe, leaks)
+    result = _leak(probe, leaks)
+    if probe.takes_qkv:  # its mask is the caller's to give, and the audit gives none
+        result.observed += (
+            "; called as forward(x, x, x) without a mask: a module that takes its mask as an "
+            "argument is causal only when the caller passes one (audit it with --no-causal, "
+            "or a wrapper that passes the causal mask)"
+        )
+    return result
 
 
 def _non_finite_leak(probe: Probe, out: torch.Tensor) -> PropertyResult:
@@ -369,7 +370,7 @@ def _dropout_draws(trained: Probe, x: torch.Tensor) -> tuple[torch.Tensor, str]:
         grads = [p.grad for p in trained.module.parameters() if p.grad is not None]
         if not all(torch.isfinite(g).all() for g in [*grads, xg.grad] if g is not None):
             return out[None], "non-finite gradients"
-    n = 32 if isinstance(trained, UnbatchedProbe) else max(32, 4096 // x.shape[1])
+    n = 32 if trained.unbatched else max(32, 4096 // x.shape[1])
     with torch.no_grad():
         many = trained(x.repeat(n, 1, 1))  # (n * batch, tokens, d_out): n dropout draws
     many = many.view(n, *x.shape[:2], -1)  # (n, batch, tokens, d_out)
@@ -541,7 +542,17 @@ def check_long_input(probe: Probe, seed: int, causal: bool) -> PropertyResult:
     name = "long_input"
     limit = probe.context_length
     if limit is None:
-        return skipped(name, TITLES[name], "no context_length found (pass context_length)")
+        why = (
+            "no context_length found: pass --context-length N (attnlab check) or "
+            "context_length=N (audit)"
+        )
+        return skipped(name, TITLES[name], why)
+    if limit >= LONG_INPUT_CAP:
+        why = (
+            f"context_length {limit} is at least {LONG_INPUT_CAP}: {limit + 1} tokens would "
+            f"need a {limit + 1} x {limit + 1} score matrix per head, too big to try here"
+        )
+        return skipped(name, TITLES[name], why)
     x = probe.inputs(2, limit + 1, seed)
     try:
         with torch.no_grad():

@@ -585,12 +585,6 @@ def _wrapper_layouts(module: nn.Module, layers: list[Layer], d_in: int) -> list[
 
 
 def _torch_layout(module: nn.Module) -> tuple[list[Layout], bool, str]:
-    if not getattr(module, "batch_first", True):
-        return (
-            [],
-            False,
-            "nn.MultiheadAttention with batch_first=False: inputs are (tokens, batch, d)",
-        )
     fused = _layer("in_proj_weight", module.in_proj_weight, getattr(module, "in_proj_bias", None))
     d = fused.width // 3
     q, k, v = _split(fused, (d, d, d))
