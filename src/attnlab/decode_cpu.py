@@ -81,12 +81,13 @@ def handles(
 ) -> bool:
     """True when a checked cached call can take the native step: one float32 token per
     sequence on the CPU, backend "auto", no mask, no weights, no dropout, nothing recording
-    gradients, plain nn.Linear projections, a cache whose window is the module's."""
+    gradients, plain nn.Linear projections, a head_dim that is a multiple of 4 (the kernel
+    reads four of its rows side by side), a cache whose window is the module's."""
     if x.shape[1] != 1 or mask is not None or need_weights or module.backend != "auto":
         return False
     if x.dtype != torch.float32 or not x.is_cpu or cache.dtype not in _CACHE_DTYPES:
         return False
-    if (module.training and module.dropout > 0) or not module.fused:
+    if (module.training and module.dropout > 0) or not module.fused or module.head_dim % 4:
         return False
     if cache.rolling and cache.window != module.window:
         return False

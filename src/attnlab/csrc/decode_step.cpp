@@ -9,6 +9,8 @@
 // that share it. The keys are split into chunks of kChunk tokens, one work item per
 // (sequence, key/value head, chunk), so that both cores stream even a single head's cache;
 // the chunks' partial softmax sums are merged afterwards (split-K, as flash decoding does).
+// Chunks are as long as the cores allow (rows of one head dimension's keys are read
+// contiguously, and short rows leave the hardware prefetcher no time to start).
 //
 // Layouts (the Python side makes its inputs conform): x (b, d_in); w_qkv (d_out + 2 kv_dim,
 // d_in) with rows in query, key, value order; w_out (d_out, d_out); biases (out,) or empty;
@@ -33,7 +35,10 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kChunk = 256;  // keys per attention work item
+constexpr int64_t kMinChunk = 512;  // keys per attention work item, at least (long rows
+                                    // for the prefetcher: each is one head dimension's keys)
+constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
+constexpr int64_t kTileScores = 4096;  // scores per key tile (16 KiB, in L1 with its keys)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -118,9 +123,77 @@ const float* as_float(const int8_t* row, float* tmp, int64_t n) {
   return tmp;
 }
 
+// y += a * x
+void axpy(float a, const float* x, float* y, int64_t n) {
+  const Vec va(a);
+  int64_t t = 0;
+  for (; t + 2 * Vec::size() <= n; t += 2 * Vec::size()) {
+    at::vec::fmadd(va, Vec::loadu(x + t), Vec::loadu(y + t)).store(y + t);
+    at::vec::fmadd(va, Vec::loadu(x + t + Vec::size()), Vec::loadu(y + t + Vec::size()))
+        .store(y + t + Vec::size());
+  }
+  for (; t < n; ++t) y[t] += a * x[t];
+}
+
+// y += a[0] x[0] + ... + a[3] x[3]: four rows of the cache read side by side
+void axpy4(const float* a, const float* const* x, float* y, int64_t n) {
+  const Vec a0(a[0]), a1(a[1]), a2(a[2]), a3(a[3]);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    Vec acc = at::vec::fmadd(a0, Vec::loadu(x[0] + t), Vec::loadu(y + t));
+    acc = at::vec::fmadd(a1, Vec::loadu(x[1] + t), acc);
+    acc = at::vec::fmadd(a2, Vec::loadu(x[2] + t), acc);
+    at::vec::fmadd(a3, Vec::loadu(x[3] + t), acc).store(y + t);
+  }
+  for (; t < n; ++t) y[t] += a[0] * x[0][t] + a[1] * x[1][t] + a[2] * x[2][t] + a[3] * x[3][t];
+}
+
+// out[r] = p . x[r] for four rows read side by side
+void dot4(const float* p, const float* const* x, int64_t n, float* out) {
+  Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    const Vec pv = Vec::loadu(p + t);
+    s0 = at::vec::fmadd(pv, Vec::loadu(x[0] + t), s0);
+    s1 = at::vec::fmadd(pv, Vec::loadu(x[1] + t), s1);
+    s2 = at::vec::fmadd(pv, Vec::loadu(x[2] + t), s2);
+    s3 = at::vec::fmadd(pv, Vec::loadu(x[3] + t), s3);
+  }
+  const Vec* sums[kRows] = {&s0, &s1, &s2, &s3};
+  for (int64_t r = 0; r < kRows; ++r) {
+    float lanes[Vec::size()];
+    sums[r]->store(lanes);
+    float total = 0.0f;
+    for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
+    for (int64_t u = t; u < n; ++u) total += p[u] * x[r][u];
+    out[r] = total;
+  }
+}
+
+// row <- exp(row - max); returns the sum (ATen's vectorised exp).
+float exp_sum(float* row, int64_t n, float row_max) {
+  const Vec vmax(row_max);
+  Vec acc(0.0f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    const Vec e = (Vec::loadu(row + t) - vmax).exp_u20();
+    e.store(row + t);
+    acc = acc + e;
+  }
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  float sum = 0.0f;
+  for (int64_t l = 0; l < Vec::size(); ++l) sum += lanes[l];
+  for (; t < n; ++t) {
+    row[t] = std::exp(row[t] - row_max);
+    sum += row[t];
+  }
+  return sum;
+}
+
 struct Attend {
   const float* qkv;  // (b, d_qkv): queries (rotated) then keys then values
-  int64_t d_qkv, heads, kv_heads, hd, cap, first, count, chunks;
+  int64_t d_qkv, heads, kv_heads, hd, cap, first, count, chunk, chunks;
   float scale;
   float* partial;  // (b, heads, chunks, hd + 2): unnormalised output, max, sum
 
@@ -130,18 +203,22 @@ struct Attend {
             const float* value_scales, std::vector<float>& scores, std::vector<float>& tmp) const {
     const int64_t c = index % chunks, g = (index / chunks) % kv_heads, b = index / (chunks * kv_heads);
     const int64_t groups = heads / kv_heads;
-    const int64_t t0 = first + c * kChunk, n = std::min(kChunk, first + count - t0);
+    const int64_t t0 = first + c * chunk, n = std::min(chunk, first + count - t0);
     const int64_t head = (b * kv_heads + g);
     const T* k_base = keys_t + head * hd * cap + t0;
     const T* v_base = values_t + head * hd * cap + t0;
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
     std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
-    for (int64_t d = 0; d < hd; ++d) {  // scores[i, t] += q[i, d] * k[d, t]
-      const float* k = as_float(k_base + d * cap, tmp.data(), n);
-      for (int64_t i = 0; i < groups; ++i) {
-        const float qd = q[i * hd + d];
-        float* s = scores.data() + i * n;
-        for (int64_t t = 0; t < n; ++t) s[t] += qd * k[t];
+    // scores[i, t] += q[i, d] * k[d, t], in tiles of keys whose scores stay in L1
+    const int64_t tile = std::max<int64_t>(64, kTileScores / groups / 16 * 16);
+    for (int64_t u = 0; u < n; u += tile) {
+      const int64_t m = std::min(tile, n - u);
+      for (int64_t d = 0; d < hd; d += kRows) {
+        const float* k[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          k[r] = as_float(k_base + (d + r) * cap + u, &tmp[r * m], m);
+        }
+        for (int64_t i = 0; i < groups; ++i) axpy4(q + i * hd + d, k, scores.data() + i * n + u, m);
       }
     }
     for (int64_t i = 0; i < groups; ++i) {
@@ -154,11 +231,7 @@ struct Attend {
         for (int64_t t = 0; t < n; ++t) s[t] *= scale;
       }
       for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-      float sum = 0.0f;
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = std::exp(s[t] - m);
-        sum += s[t];
-      }
+      const float sum = exp_sum(s, n, m);
       if (value_scales) {  // the value scales folded into the weights
         const float* vs = value_scales + head * cap + t0;
         for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];
@@ -167,19 +240,20 @@ struct Attend {
       p[hd] = m;
       p[hd + 1] = sum;
     }
-    for (int64_t d = 0; d < hd; ++d) {  // out[i, d] = sum_t p[i, t] v[d, t]
-      const float* v = as_float(v_base + d * cap, tmp.data(), n);
+    for (int64_t d = 0; d < hd; d += kRows) {  // out[i, d] = sum_t p[i, t] v[d, t]
+      const float* v[kRows];
+      for (int64_t r = 0; r < kRows; ++r) v[r] = as_float(v_base + (d + r) * cap, &tmp[r * n], n);
       for (int64_t i = 0; i < groups; ++i) {
         float* p = partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2);
-        p[d] = dot(scores.data() + i * n, v, n);
+        dot4(scores.data() + i * n, v, n, p + d);
       }
     }
   }
 
   // attn (b, heads * hd): each head's chunks merged and normalised.
   void merge(int64_t batch, float* attn) const {
-    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {  // little work: no parallel region
+      {
         const float* p = partial + bh * chunks * (hd + 2);
         float m = kNegInf;
         for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p[c * (hd + 2) + hd]);
@@ -195,7 +269,7 @@ struct Attend {
         const float inverse = 1.0f / total;
         for (int64_t d = 0; d < hd; ++d) o[d] *= inverse;
       }
-    });
+    }
   }
 };
 
@@ -219,7 +293,7 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   }
   const int64_t groups = a.heads / a.kv_heads;
   at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * kChunk), tmp(kChunk);
+    std::vector<float> scores(groups * a.chunk), tmp(kRows * a.chunk);
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, scores, tmp);
     }
@@ -247,10 +321,14 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
       for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(q + b * d_qkv + h * hd, c, s, hd);
     }
   }
-  const int64_t chunks = (count + kChunk - 1) / kChunk;
+  // enough work items for every thread twice over, each of at least kMinChunk keys
+  const int64_t heads_total = batch * kv_heads, threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, (2 * threads + heads_total - 1) / heads_total);
+  const int64_t chunk = std::max(kMinChunk, (count + parts - 1) / parts);
+  const int64_t chunks = (count + chunk - 1) / chunk;
   auto partial = at::empty({batch, heads, chunks, hd + 2}, x.options());
   auto attn = at::empty({batch, d_out}, x.options());
-  Attend a{q, d_qkv, heads, kv_heads, hd, cap, first, count, chunks,
+  Attend a{q, d_qkv, heads, kv_heads, hd, cap, first, count, chunk, chunks,
            static_cast<float>(scale), partial.data_ptr<float>()};
   switch (keys_t.scalar_type()) {
     case at::kFloat:
