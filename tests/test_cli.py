@@ -76,3 +76,13 @@ def test_a_check_usage_error_prints_the_check_usage(capsys):
     else:
         raise AssertionError("expected a usage error")
     assert "usage: attnlab check" in capsys.readouterr().err
+
+
+def test_bench_quick_says_its_figures_are_not_representative(monkeypatch, capsys):
+    from attnlab.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "_run_mode", lambda args, mode: 0)
+    assert cli.main(["bench", "--quick"]) == 0
+    assert "not representative" in capsys.readouterr().out
+    assert cli.main(["bench", "--decode"]) == 0
+    assert "not representative" not in capsys.readouterr().out

@@ -97,6 +97,12 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+QUICK_NOTE = (
+    "Note: --quick runs tiny sizes, where every call is mostly fixed overhead: a smoke test, "
+    "not representative figures (run without --quick for those)."
+)
+
+
 def mode_of(args: argparse.Namespace) -> str:
     """'compare', 'decode', 'memory' or 'parallel'."""
     if args.parallel is not None:
@@ -116,7 +122,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"--device cuda: no CUDA device is available to this torch ({torch.__version__})"
         )
     _check_memory(parser, args, mode)
-    return _run_mode(args, mode)
+    status = _run_mode(args, mode)
+    if args.quick:
+        print(QUICK_NOTE)
+    return status
 
 
 def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, mode: str) -> None:
