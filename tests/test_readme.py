@@ -5,12 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.markdown_blocks import block_id, fenced, run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-
-
-def fenced(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
 
 
 def test_two_setup_commands_and_ci_runs_the_test_one():
@@ -24,14 +22,6 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     assert test_command in ci_lines
 
 
-OPTIONAL = {"transformers", "onnx", "onnxscript", "onnxruntime"}  # the hf and onnx extras
-
-
-@pytest.mark.parametrize("block", fenced("python"), ids=lambda b: b.splitlines()[0][:40])
+@pytest.mark.parametrize("block", fenced(README, "python"), ids=block_id)
 def test_python_examples_run(block):
-    try:
-        exec(compile(block, "README.md", "exec"), {})
-    except ModuleNotFoundError as error:
-        if error.name not in OPTIONAL:
-            raise
-        pytest.skip(f"needs the optional extra that provides {error.name}")
+    run_python(block, "README.md")

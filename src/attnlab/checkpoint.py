@@ -121,7 +121,7 @@ def load(
     path: str | os.PathLike,
     *,
     device: torch.device | str | None = None,
-    **book_config,
+    **book_config: object,
 ) -> MultiHeadAttention:
     """A MultiHeadAttention from an attnlab .safetensors file, or from a book checkpoint.
 
