@@ -256,7 +256,7 @@ def test_every_keyword_the_installed_models_pass_is_known():
     from pathlib import Path
 
     named = {"query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal"}
-    known = named | set(hf.CARRIED) | set(hf.NOT_YET) | {"output_attentions"}
+    known = named | set(hf.CARRIED) | set(hf.NOT_YET) | set(hf.IMPLEMENTED)
     passed = set()
     for path in Path(transformers.__file__).parent.glob("models/*/modeling_*.py"):
         source = path.read_text()
@@ -315,10 +315,10 @@ SLICE = {
     "mistral": ("equal", ""),
     "bert": ("equal", ""),
     "bart": ("equal", ""),
-    "t5": ("refused", "position_bias"),
+    "t5": ("equal", ""),  # position_bias, added to the mask
     "bloom": ("refused", "BloomAttention"),
-    "gpt_oss": ("refused", "s_aux"),
-    "gemma2": ("refused", "softcap"),
+    "gpt_oss": ("equal", ""),  # s_aux: attention sinks
+    "gemma2": ("equal", ""),  # softcap
     "nllb-moe": ("refused", "_supports_sdpa is False"),  # its decoder is not marked causal
 }
 
@@ -348,3 +348,68 @@ def test_coverage_catches_a_wrong_attention(monkeypatch):
     monkeypatch.setattr(hf, "attention_arguments", no_mask)
     row = coverage.compare("gpt2")
     assert row.status == "differs" and "left padding" in row.detail, row
+
+
+# Implemented keywords against the eager function of a model that passes each: outputs and
+# gradients (queries, keys, values and the sinks or bias), with a left-padding mask.
+
+EAGER_KEYWORDS = {  # keyword: (model type, key/value heads of 4, the keyword's value)
+    "s_aux": ("gpt_oss", 2, lambda g: torch.randn(4, generator=g)),
+    "position_bias": ("t5", 4, lambda g: torch.randn(1, 4, 9, 9, generator=g)),
+    "softcap": ("gemma2", 2, lambda g: 0.7),
+}
+
+
+class _Layer(torch.nn.Module):
+    """What the eager functions read from their module: groups, head_dim, gpt-oss's sinks."""
+
+    def __init__(self, groups, sinks):
+        super().__init__()
+        self.num_key_value_groups, self.head_dim, self.sinks = groups, 16, sinks
+
+
+@pytest.mark.parametrize("name", sorted(EAGER_KEYWORDS))
+def test_an_implemented_keyword_equals_the_models_eager_function(name):
+    import importlib
+
+    model_type, kv_heads, make = EAGER_KEYWORDS[name]
+    eager_forward = importlib.import_module(
+        f"transformers.models.{model_type}.modeling_{model_type}"
+    ).eager_attention_forward
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 16, generator=g) * (8 if name == "softcap" else 1)  # cap bites
+    k, v = (torch.randn(2, kv_heads, 9, 16, generator=g) for _ in range(2))
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, :3] = False  # left padding in the second sequence
+    mask = torch.ones(9, 9, dtype=torch.bool).tril() & keep[:, None, None, :]  # (2, 1, 9, 9)
+    float_mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    value = make(g)
+    tensors = [q, k, v] + ([value] if torch.is_tensor(value) else [])
+    ours_in = [t.clone().requires_grad_() for t in tensors]
+    theirs_in = [t.clone().requires_grad_() for t in tensors]
+    sinks = theirs_in[3] if name == "s_aux" else None  # gpt-oss's eager reads module.sinks
+    keyword = ours_in[3] if torch.is_tensor(value) else value
+    their_keyword = theirs_in[3] if torch.is_tensor(value) else value
+    got, _ = hf.attention_forward(
+        _Layer(4 // kv_heads, None).eval(), *ours_in[:3], mask, scaling=0.25, **{name: keyword}
+    )
+    expected, _ = eager_forward(
+        _Layer(4 // kv_heads, sinks).eval(),
+        *theirs_in[:3],
+        float_mask,
+        scaling=0.25,
+        **({} if name == "s_aux" else {name: their_keyword}),
+    )
+    # rows with no key (left padding's first queries) are zeros here, eager's are arbitrary
+    # (a softmax over min-valued scores); models never read them: compare the others
+    real = keep[:, :, None, None]  # (b, tq, 1, 1): query i of a left-padded row sees keys <= i
+    torch.testing.assert_close(got * real, expected * real, atol=1e-5, rtol=1e-5)
+    without, _ = hf.attention_forward(_Layer(1, None).eval(), q, k, v, mask, scaling=0.25)
+    assert not torch.allclose(got, without, atol=1e-3)  # the keyword changes the result
+    grad = torch.randn(got.shape, generator=g) * real
+    for ours, theirs in zip(
+        torch.autograd.grad(got, ours_in, grad),
+        torch.autograd.grad(expected, theirs_in, grad),
+        strict=True,
+    ):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

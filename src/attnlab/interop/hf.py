@@ -10,9 +10,10 @@ polarity attnlab uses) and output_attentions supported.
 
 Right or refused, never silently wrong:
 
-- every keyword argument transformers passes is implemented, known to be carried elsewhere
+- every keyword argument transformers passes is implemented (IMPLEMENTED: attention sinks,
+  relative-position bias, softcapping, output_attentions), known to be carried elsewhere
   (CARRIED, each with its reason), or refused with a ValueError naming it and the module
-  (NOT_YET: sinks, relative-position bias, softcapping, sparse key selection, paged caches);
+  (NOT_YET: sparse key selection, paged caches);
   an unknown keyword is refused too. `attention_arguments` is the one place that maps
   transformers' keywords to attention()'s.
 - a model whose attention does not go through the interface (Bloom, GPT-J, Falcon, ...)
@@ -57,13 +58,19 @@ CARRIED = {
     "before the call; a self-attention layer (BERT's) receives it unused",
 }
 
+# transformers' keywords attention() implements: each mapped in attention_arguments, each
+# tested against the eager implementation of a model that passes it
+IMPLEMENTED = {
+    "output_attentions": "need_weights (the weights eager returns)",
+    "s_aux": "sinks: gpt-oss's learned per-head logit in the softmax's denominator",
+    "sinks": "sinks: a per-head logit in the softmax's denominator",
+    "position_bias": "added to the mask: T5's relative-position bias on the scores",
+    "softcap": "softcap: Gemma 2's softcap * tanh(scores / softcap) before the mask",
+}
+
 # transformers' keywords that need an argument attention() does not have yet: refused when
 # they carry a value. Supporting one = removing it here and mapping it in attention_arguments.
 NOT_YET = {
-    "s_aux": "attention sinks (a learned per-head logit in the softmax's denominator)",
-    "sinks": "attention sinks (a logit in the softmax's denominator)",
-    "position_bias": "an additive relative-position bias on the attention scores",
-    "softcap": "attention-logit softcapping (softcap * tanh(scores / softcap))",
     "indices": "sparse attention over the keys an indexer selected",
     "block_indices": "block-sparse attention over the key blocks an indexer selected",
     "cache": "a paged key/value cache to update (continuous batching)",
@@ -168,14 +175,15 @@ def attention_arguments(
         kwargs: the keywords beyond attention_forward's named parameters.
 
     Returns:
-        {"mask": ..., "need_weights": ...}.
+        {"mask", "need_weights", "sinks", "softcap"} for attention(): the mask with any
+        position_bias added, the sinks from s_aux (or sinks), softcap as given.
 
     Raises:
         ValueError: naming the keyword and the module, for one in NOT_YET with a value or
             one attnlab does not know.
     """
     for name, value in kwargs.items():
-        if name in CARRIED or name == "output_attentions":
+        if name in CARRIED or name in IMPLEMENTED:
             continue
         if name in NOT_YET:
             if value is None:
@@ -190,7 +198,25 @@ def attention_arguments(
             f"ignored (transformers {_transformers_version()})"
         )
     need_weights = bool(kwargs.get("output_attentions", False)) or _attentions_requested()
-    return {"mask": attention_mask, "need_weights": need_weights}
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    return {
+        "mask": _with_bias(attention_mask, kwargs.get("position_bias")),
+        "need_weights": need_weights,
+        "sinks": sinks,
+        "softcap": kwargs.get("softcap"),
+    }
+
+
+def _with_bias(mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' mask with an additive bias (T5's relative positions, (1|b, h, tq, tk))
+    added: one additive float mask, -inf where the boolean mask blocks."""
+    if bias is None:
+        return mask
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, -torch.inf)  # (b, h, tq, tk)
+    return bias + mask.to(bias.dtype)
 
 
 def _describe(module: nn.Module) -> str:
