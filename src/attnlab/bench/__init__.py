@@ -131,6 +131,22 @@ def decode_command(
     return report
 
 
+def padded_command(
+    *, quick: bool = False, json_path: str | Path | None = None, console: Console | None = None
+):
+    """`attnlab bench --padded`: time, print the table and ratios, write JSON if asked."""
+    from attnlab.bench.padded import print_padded, run_padded
+
+    console = console or Console()
+    with console.status("a padded batch against an unpadded one"):
+        report = run_padded(quick=quick)
+    print_padded(report, console)
+    if json_path is not None:
+        write_json(report.to_dict(), json_path)
+        console.print(f"figures written to {json_path}")
+    return report
+
+
 def _advance(progress: Progress, task) -> Callable[[str], None]:
     """A run_* progress callback: one step forward, described."""
 

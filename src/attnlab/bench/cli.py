@@ -47,6 +47,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="forward peak memory from 1k to 32k tokens, per implementation",
     )
     mode.add_argument(
+        "--padded",
+        action="store_true",
+        help="a left-padded batch against an unpadded one through a GPT-2-small-sized stack "
+        "and attention alone, attnlab against SDPA",
+    )
+    mode.add_argument(
         "--parallel",
         type=positive_int,
         metavar="N",
@@ -104,9 +110,11 @@ QUICK_NOTE = (
 
 
 def mode_of(args: argparse.Namespace) -> str:
-    """'compare', 'decode', 'memory' or 'parallel'."""
+    """'compare', 'decode', 'memory', 'padded' or 'parallel'."""
     if args.parallel is not None:
         return "parallel"
+    if args.padded:
+        return "padded"
     return "decode" if args.decode else "memory" if args.memory else "compare"
 
 
@@ -193,6 +201,13 @@ def estimate_bytes(args: argparse.Namespace, mode: str) -> tuple[int, str]:
             max(contexts), d_model=GPT2_SMALL["d_model"], layers=layers, itemsize=itemsize
         )
         return needed, f"--decode --contexts {max(contexts)}"
+    if mode == "padded":
+        from attnlab.bench.padded import GPT2_SMALL as PADDED
+        from attnlab.bench.padded import QUICK_PADDED
+
+        sizes = QUICK_PADDED if args.quick else PADDED
+        shape = budget.Sizes(sizes["batch"], sizes["tokens"], sizes["d_model"], sizes["heads"], 4)
+        return budget.compare_bytes(shape, matmul_size=0), "--padded"
     if mode == "parallel":
         tokens = parallel_tokens(args)
         needed = budget.parallel_bytes(
@@ -248,6 +263,9 @@ def _run_mode(args: argparse.Namespace, mode: str) -> int:
 
     if mode == "decode":
         bench.decode_command(args.contexts, quick=args.quick, json_path=args.json)
+        return 0
+    if mode == "padded":
+        bench.padded_command(quick=args.quick, json_path=args.json)
         return 0
     if mode == "parallel":
         tokens = parallel_tokens(args)
