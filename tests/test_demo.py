@@ -4,7 +4,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from attnlab import demo
+from attnlab import demo, viz
 from tests.book import printed
 from tests.book.test_golden import assert_printed
 
@@ -111,3 +111,22 @@ def test_run_demo_writes_the_heatmaps(tmp_path):
     assert str((tmp_path / "out").resolve()) in text
     assert "tensor([0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865])" in text
     assert "2,360,064" in text
+
+
+def test_causal_heatmaps_mark_the_masked_cells(steps):
+    heatmaps = {h.filename: h for s in steps for h in s.heatmaps}
+    causal = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    for name in ("03_causal.png", "04_causal_dropout.png", "05_multihead_head1.png"):
+        assert torch.equal(heatmaps[name].allowed, causal), name
+    assert heatmaps["01_weight_free.png"].allowed is None
+    dropped = heatmaps["04_causal_dropout.png"]
+    _, texts = viz.cells(dropped.weights, dropped.allowed)
+    zero_kept = (dropped.weights == 0) & causal  # weights dropout zeroed, not masked ones
+    assert zero_kept.any() and set(texts[zero_kept.numpy()]) == {"0.00"}
+    assert set(texts[~causal.numpy()]) == {viz.MASKED_TEXT}
+
+
+def test_the_dropout_heatmap_says_what_dropout_does_to_the_scale(steps):
+    (dropped,) = [h for s in steps for h in s.heatmaps if h.filename == "04_causal_dropout.png"]
+    assert "1/(1-p) = 2.00" in dropped.note
+    assert dropped.weights.max() == 2.0  # the 2.00 the note explains

@@ -35,3 +35,31 @@ def test_returns_the_file_it_wrote_and_refuses_folders(tmp_path):
         viz.save_heatmap(torch.eye(2), ["x", "y"], tmp_path)
     with pytest.raises(TypeError, match="labels must be a sequence"):
         viz.save_heatmap(torch.eye(2), None, tmp_path / "w.png")
+
+
+def test_masked_cells_are_not_zeros():
+    """What the plot is drawn from: a masked cell is masked data with no number, a weight
+    that is zero stays a value reading 0.00."""
+    weights = torch.tensor([[0.0, 0.0], [0.5, 0.5]])
+    allowed = torch.tensor([[True, False], [True, True]])
+    values, texts = viz.cells(weights, allowed)
+    assert values.mask.tolist() == [[False, True], [False, False]]
+    assert texts.tolist() == [["0.00", viz.MASKED_TEXT], ["0.50", "0.50"]]
+    assert viz.MASKED_TEXT != "0.00"
+    unmasked, texts = viz.cells(weights)
+    assert not unmasked.mask.any() and texts[0, 1] == "0.00"
+
+
+def test_allowed_must_be_a_bool_mask_of_the_weights_shape(tmp_path):
+    with pytest.raises(TypeError, match=r"allowed must be a bool tensor, got torch\.float32"):
+        viz.save_heatmap(torch.eye(2), ["x", "y"], tmp_path / "w.png", allowed=torch.eye(2))
+    with pytest.raises(ValueError, match=r"allowed's shape \(3, 3\) must be the weights' \(2, 2\)"):
+        viz.cells(torch.eye(2), torch.ones(3, 3, dtype=torch.bool))
+
+
+def test_a_heatmap_with_masked_cells_and_a_note(tmp_path):
+    allowed = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    path = viz.save_heatmap(
+        torch.eye(3), ["a", "b", "c"], tmp_path / "m.png", allowed=allowed, note="a note " * 20
+    )
+    assert matplotlib.image.imread(path).ndim == 3

@@ -17,6 +17,11 @@ import torch
 from attnlab import book, viz
 
 TOKENS = list(book.TOKENS)
+CAUSAL = book.causal_keep_mask(6).bool()  # (6, 6) True on and below the diagonal
+DROPOUT_NOTE = (
+    "Dropout zeroes each weight with probability p=0.5 and scales the kept ones by "
+    "1/(1-p) = 2.00: the expected row sum stays 1, a row here need not sum to 1."
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class Heatmap:
     filename: str
     title: str
     weights: torch.Tensor  # (tokens, tokens)
+    allowed: torch.Tensor | None = None  # bool (tokens, tokens), False: masked, drawn apart
+    note: str = ""  # drawn under the map
 
 
 @dataclass(frozen=True)
@@ -212,7 +219,7 @@ def _causal() -> list[Step]:
             "Way 2: -inf above the diagonal, then softmax",
             "exp(-inf) = 0, so one softmax gives the same weights with no renormalising.",
             {"masked": book.mask_future_scores(scores), "attn_weights": causal},
-            (Heatmap("03_causal.png", "Causal attention", causal),),
+            (Heatmap("03_causal.png", "Causal attention", causal, CAUSAL),),
         ),
         Step(
             "3.5.1",
@@ -229,9 +236,17 @@ def _causal() -> list[Step]:
         Step(
             "3.5.2",
             "Dropout on the attention weights",
-            "p = 0.5 zeroes about half the weights and doubles the rest (training only).",
+            "p = 0.5 zeroes about half the weights and scales the rest by 1/(1-p) = 2 (training).",
             {"dropout(ones)": ones_dropped, "dropout(attn_weights)": dropped},
-            (Heatmap("04_causal_dropout.png", "Causal attention with dropout (p=0.5)", dropped),),
+            (
+                Heatmap(
+                    "04_causal_dropout.png",
+                    "Causal attention with dropout (p=0.5)",
+                    dropped,
+                    CAUSAL,
+                    note=DROPOUT_NOTE,
+                ),
+            ),
         ),
         Step(
             "3.5.3",
@@ -300,6 +315,7 @@ def _multi_head() -> list[Step]:
                     f"05_multihead_head{h + 1}.png",
                     f"MultiHeadAttention, head {h + 1} of 2",
                     head_weights[h],
+                    CAUSAL,
                 )
                 for h in range(2)
             ),
@@ -343,7 +359,12 @@ def run_demo(
         for heatmap in step.heatmaps:
             written.append(
                 viz.save_heatmap(
-                    heatmap.weights, TOKENS, out_dir / heatmap.filename, title=heatmap.title
+                    heatmap.weights,
+                    TOKENS,
+                    out_dir / heatmap.filename,
+                    title=heatmap.title,
+                    allowed=heatmap.allowed,
+                    note=heatmap.note,
                 )
             )
     echo(f"\nWrote {len(written)} heatmaps to {out_dir.resolve()}:")
