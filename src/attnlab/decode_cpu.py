@@ -8,10 +8,10 @@ per tensor operation, which dominates at short contexts and small caches. The ke
 streams each weight once for the whole batch and each key/value head's cache once for the
 query heads sharing it, split in chunks of keys over the cores.
 
-It is built on first use with torch.utils.cpp_extension, as attnlab.flash_cpu is (about
-20 s, cached in TORCH_EXTENSIONS_DIR); where it cannot be built attnlab warns once and
-decodes with the Python path, which stays the reference it is tested against.
-ATTNLAB_NO_EXTENSION=1 turns it off.
+It is built on first use as attnlab.flash_cpu is (attnlab._build: torch.utils.cpp_extension,
+about 15 s, once per environment, or ahead of time by `attnlab build`); where it cannot be
+built attnlab warns once and decodes with the Python path, which stays the reference it is
+tested against. ATTNLAB_NO_EXTENSION=1 turns it off.
 
 Shapes: x (b, 1, d_in) -> (b, 1, d_out); the cache's buffers (b, hkv, hd, capacity).
 """
@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from attnlab.flash_cpu import _put_ninja_on_path, _vector_flags
+from attnlab import _build
 from attnlab.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -41,30 +39,11 @@ _EMPTY = torch.empty(0)
 
 @functools.cache
 def load_error() -> str | None:
-    """None once the extension is built and loaded, else why it is not."""
-    if os.environ.get("ATTNLAB_NO_EXTENSION") == "1":
-        return "turned off by ATTNLAB_NO_EXTENSION=1"
-    try:
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        cpp_extension.load(
-            name="attnlab_decode_step",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *_vector_flags()],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as error:  # a missing compiler or symbol: fall back, say why once
-        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
-        warnings.warn(
-            f"attnlab's native CPU decode step is unavailable ({reason}); decoding with the "
-            f"Python path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return reason
-    return None
+    """None once the extension is built and loaded, else why it is not (one line, warned
+    once; built on the first call, once per environment: attnlab._build)."""
+    return _build.load(
+        "attnlab_decode_step", _SOURCE, "attnlab's native CPU decode step", "the Python path"
+    )
 
 
 def available() -> bool:
@@ -87,26 +66,30 @@ def handles(
         return False
     if x.dtype != torch.float32 or not x.is_cpu or cache.dtype not in _CACHE_DTYPES:
         return False
-    if (module.training and module.dropout > 0) or not module.fused or module.head_dim % 4:
+    if (module.training and module.dropout > 0) or module.head_dim % 4:
         return False
     if cache.rolling and cache.window != module.window:
         return False
-    layers = (module.qkv_proj, module.out_proj)
-    if not all(_plain(layer) for layer in layers):
+    layers = _layers(module)
+    if layers is None:
         return False
     if torch.is_grad_enabled() and _records_grad(x, layers, cache):
         return False
     return available()
 
 
-def _plain(layer: nn.Module) -> bool:
-    """An nn.Linear itself (not a subclass or wrapper), without hooks, contiguous weight."""
-    return (
-        type(layer) is nn.Linear
-        and not layer._forward_hooks
-        and not layer._forward_pre_hooks
-        and layer.weight.is_contiguous()
-    )
+def _layers(module: MultiHeadAttention) -> tuple[nn.Linear, nn.Linear] | None:
+    """The fused projection and the output projection, when both are plain nn.Linear
+    (not a subclass or wrapper) without hooks and with contiguous float32 parameters."""
+    submodules = module._modules  # the dict itself: nn.Module.__getattr__ costs per call
+    layers = (submodules.get("qkv_proj"), submodules.get("out_proj"))
+    for layer in layers:
+        if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+            return None
+        for param in layer._parameters.values():
+            if param is not None and (param.dtype != torch.float32 or not param.is_contiguous()):
+                return None
+    return layers
 
 
 def _records_grad(x: torch.Tensor, layers, cache: KVCache) -> bool:
@@ -119,16 +102,18 @@ def step(module: MultiHeadAttention, x: torch.Tensor, cache: KVCache, start: int
     """The cached call for one token per sequence (the caller checked it and `handles`):
     appends its keys and values at position `start` and returns the output (b, 1, d_out)."""
     slot, first, count = cache.native_slots(start, module.window)
+    qkv, out = (layer._parameters for layer in _layers(module))
     rope = module.rope
+    cos, sin = (_EMPTY, _EMPTY) if rope is None else (rope.cos, rope.sin)
     key_scales, value_scales = cache.scales
-    out = torch.ops.attnlab_decode.decode_step(
+    y = _op()(
         x.reshape(x.shape[0], x.shape[2]).contiguous(),  # (b, d_in)
-        module.qkv_proj.weight,
-        _or_empty(module.qkv_proj.bias),
-        module.out_proj.weight,
-        _or_empty(module.out_proj.bias),
-        _EMPTY if rope is None else rope.cos,
-        _EMPTY if rope is None else rope.sin,
+        qkv["weight"],
+        _or_empty(qkv["bias"]),
+        out["weight"],
+        _or_empty(out["bias"]),
+        cos,
+        sin,
         cache.keys_t,
         cache.values_t,
         key_scales,
@@ -141,7 +126,12 @@ def step(module: MultiHeadAttention, x: torch.Tensor, cache: KVCache, start: int
         1.0 / math.sqrt(module.head_dim),
     )
     cache.position = start + 1
-    return out.unsqueeze(1)  # (b, d_out) -> (b, 1, d_out)
+    return y.unsqueeze(1)  # (b, d_out) -> (b, 1, d_out)
+
+
+@functools.cache
+def _op():
+    return torch.ops.attnlab_decode.decode_step.default
 
 
 def _or_empty(tensor: torch.Tensor | None) -> torch.Tensor:
