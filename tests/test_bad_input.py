@@ -595,11 +595,11 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         {"masks_0": "masks"},
     ),
     (
-        "masks.merge_masks",
-        masks.merge_masks,
-        lambda: {"mask": causal_bool(), "allowed": masks.causal_mask(T)},
-        {"mask": mask_cases(), "allowed": mask_cases()},
-        {},
+        "masks.combine_masks",
+        lambda masks_0, masks_1: masks.combine_masks(masks_0, masks_1),
+        lambda: {"masks_0": masks.to_additive(causal_bool()), "masks_1": masks.causal_mask(T)},
+        {"masks_0": additive_cases(), "masks_1": mask_cases()},
+        {"masks_0": "masks", "masks_1": "masks"},
     ),
     (
         "masks.from_torch_mask",

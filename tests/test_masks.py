@@ -74,7 +74,11 @@ def test_torch_mha_agrees_with_converted_masks():
         ),
         (lambda: masks.padding_mask_from_lengths(torch.tensor([1.0]), 4), TypeError, "integer"),
         (lambda: masks.padding_mask(torch.ones(2, 3)), TypeError, "keep must be a .* bool tensor"),
-        (lambda: masks.combine_masks(torch.ones(2, 2)), TypeError, r"masks\[0\] must be a bool"),
+        (
+            lambda: masks.combine_masks(torch.ones(2, 2).long()),
+            TypeError,
+            r"masks\[0\] must be bool",
+        ),
         (
             lambda: masks.combine_masks(masks.causal_mask(3), masks.causal_mask(4)),
             ValueError,
@@ -92,3 +96,17 @@ def test_torch_mha_agrees_with_converted_masks():
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_combine_masks_takes_bool_and_additive_masks_together():
+    """One function for every combination (merge_masks is gone): bools AND together, float
+    masks add, and a bool mask's blocked places become -inf in the additive result."""
+    g = torch.Generator().manual_seed(0)
+    bias, other = torch.randn(1, 2, 4, 4, generator=g), torch.randn(4, 4, generator=g)
+    causal = masks.causal_mask(4)
+    pad = masks.padding_mask_from_lengths(torch.tensor([4, 3]), 4)  # (2, 1, 1, 4)
+    combined = masks.combine_masks(bias, causal, None, other, pad)
+    expected = (bias + other).expand(2, 2, 4, 4).masked_fill(~(causal & pad), -torch.inf)
+    assert torch.equal(combined, expected)
+    assert torch.equal(masks.combine_masks(bias), bias)
+    assert torch.equal(masks.combine_masks(causal, pad), (causal & pad).expand(2, 1, 4, 4))

@@ -358,10 +358,10 @@ class MultiHeadAttention(nn.Module):
             mask = _keys_at(mask, key_positions)
             query_positions = torch.arange(start, start + tq, device=q.device)
             allowed = masks.position_mask(query_positions, key_positions, window=self.window)
-            return masks.merge_masks(mask, allowed), False
+            return masks.combine_masks(mask, allowed), False
         if self.window is not None:
             window = masks.sliding_window_mask(tq, tk, window=self.window, device=q.device)
-            return masks.merge_masks(mask, window), False
+            return masks.combine_masks(mask, window), False
         return mask, self.causal
 
     def _project(

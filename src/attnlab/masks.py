@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from attnlab._validate import (
+    check_additive_mask,
     check_float_dtype,
     check_index_tensor,
     check_int,
@@ -40,10 +41,28 @@ def causal_mask(
     offset: int | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """(queries, keys) bool: query i, at absolute position offset + i, may see keys <= it.
+    """The causal mask: query i, at absolute position offset + i, may see keys <= it.
 
     offset defaults to num_keys - num_queries: the queries are the newest tokens, as in
     decoding with a cache (for a square mask it is 0, the usual lower triangle).
+
+    Args:
+        num_queries: queries (>= 0).
+        num_keys: keys (>= 0; default num_queries).
+        offset: absolute position of the first query (>= 0; default num_keys - num_queries).
+        device: where to build the mask (default the CPU).
+
+    Returns:
+        (num_queries, num_keys) bool, True where the query may attend to the key.
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a negative size or offset.
+
+    Example:
+        >>> causal_mask(2, 3)
+        tensor([[ True,  True, False],
+                [ True,  True,  True]])
     """
     query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
     return key_pos <= query_pos
@@ -57,8 +76,30 @@ def sliding_window_mask(
     offset: int | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """(queries, keys) bool: causal, and each query sees at most the `window` most recent
-    keys, itself included."""
+    """A sliding-window mask: causal, and each query sees at most the `window` most recent
+    keys, itself included (Mistral's sliding window).
+
+    Args:
+        num_queries: queries (>= 0).
+        num_keys: keys (>= 0; default num_queries).
+        window: keys each query may see (>= 1), itself included.
+        offset: absolute position of the first query (default num_keys - num_queries, as in
+            `causal_mask`).
+        device: where to build the mask (default the CPU).
+
+    Returns:
+        (num_queries, num_keys) bool, True where the query may attend to the key.
+
+    Raises:
+        TypeError: a size or window that is not an int.
+        ValueError: a negative size or offset, or window < 1.
+
+    Example:
+        >>> sliding_window_mask(3, window=2)
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [False,  True,  True]])
+    """
     window = check_int("window", window)
     query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
@@ -95,8 +136,26 @@ def position_mask(
 
 
 def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """(batch, 1, 1, keys) bool from each sequence's true length: keys at or past it are
-    padding. `lengths` is a 1-D integer tensor."""
+    """A padding mask from each sequence's true length: keys at or past it are padding
+    (right padding).
+
+    Args:
+        lengths: (batch,) integer tensor, each in [0, num_keys].
+        num_keys: the padded length (>= 1).
+
+    Returns:
+        (batch, 1, 1, num_keys) bool on lengths' device, True for real keys; it broadcasts
+        against the scores' (batch, heads, queries, keys).
+
+    Raises:
+        TypeError: lengths is not an integer tensor, or num_keys not an int.
+        ValueError: lengths is not 1-D, or a length lies outside [0, num_keys].
+
+    Example:
+        >>> padding_mask_from_lengths(torch.tensor([3, 1]), num_keys=3)[:, 0, 0]
+        tensor([[ True,  True,  True],
+                [ True, False, False]])
+    """
     num_keys = check_int("num_keys", num_keys)
     check_index_tensor("lengths", lengths)  # one length per sequence
     if ((lengths < 0) | (lengths > num_keys)).any():
@@ -106,7 +165,19 @@ def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Ten
 
 
 def padding_mask(keep: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, 1, keys) bool from a (batch, tokens) keep-mask (True = a real token)."""
+    """A padding mask from a keep-mask, such as a tokenizer's attention_mask as bool; any
+    padding side.
+
+    Args:
+        keep: (batch, tokens) bool, True for a real token.
+
+    Returns:
+        (batch, 1, 1, tokens) bool, a view of keep, broadcastable to the scores'
+        (batch, heads, queries, keys).
+
+    Raises:
+        TypeError: keep is not a 2-D bool tensor.
+    """
     if not isinstance(keep, torch.Tensor) or keep.dim() != 2 or keep.dtype != torch.bool:
         got = (
             f"dtype {keep.dtype}, shape {tuple(keep.shape)}"
@@ -118,13 +189,25 @@ def padding_mask(keep: torch.Tensor) -> torch.Tensor:
 
 
 def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
-    """Logical AND of boolean masks (None entries are skipped), broadcast together."""
+    """Masks applied together: a query may attend where every mask allows it.
+
+    Args:
+        *masks: bool masks (True = may attend) and additive float masks (-inf where a query
+            may not attend), of shapes that broadcast together, on one device; None entries
+            are skipped.
+
+    Returns:
+        None if every entry is None; the logical AND of the bool masks when all are bool;
+        otherwise one additive float mask: the float masks summed, -inf where a bool mask
+        blocks.
+
+    Raises:
+        TypeError: an entry that is neither a bool nor a floating-point tensor.
+        ValueError: shapes that do not broadcast together, or masks on two devices.
+    """
     present = [m for m in masks if m is not None]
     for i, m in enumerate(present):
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
-            raise TypeError(
-                f"masks[{i}] must be a bool tensor, got {getattr(m, 'dtype', type(m).__name__)}"
-            )
+        check_additive_mask(f"masks[{i}]", check_mask_kind(f"masks[{i}]", m))
     if not present:
         return None
     check_same_device(**{f"masks[{i}]": m for i, m in enumerate(present)})
@@ -133,32 +216,17 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     except RuntimeError as error:
         shapes = [tuple(m.shape) for m in present]
         raise ValueError(f"masks of shapes {shapes} do not broadcast together") from error
-    combined = torch.ones(shape, dtype=torch.bool, device=present[0].device)
-    for m in present:
-        combined = combined & m
-    return combined
-
-
-def merge_masks(mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
-    """A user mask (bool, additive float, or None) restricted to where `allowed` (bool) is
-    True; a float mask stays additive, with -inf where `allowed` is False."""
-    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
-        got = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
-        raise TypeError(f"allowed must be a bool tensor, got {got}")
-    if mask is None:
-        return allowed
-    check_mask_kind("mask", mask)
-    check_same_device(mask=mask, allowed=allowed)
-    try:
-        torch.broadcast_shapes(mask.shape, allowed.shape)
-    except RuntimeError:
-        raise ValueError(
-            f"mask of shape {tuple(mask.shape)} and allowed of shape {tuple(allowed.shape)} "
-            f"do not broadcast together"
-        ) from None
-    if mask.dtype == torch.bool:
-        return mask & allowed
-    return torch.where(allowed, mask, torch.tensor(-torch.inf, dtype=mask.dtype))
+    allowed = None
+    for m in (m for m in present if m.dtype == torch.bool):
+        allowed = m if allowed is None else allowed & m
+    floats = [m for m in present if m.dtype != torch.bool]
+    if not floats:
+        return allowed.expand(shape) if allowed.shape != shape else allowed
+    bias = floats[0]
+    for m in floats[1:]:
+        bias = bias + m
+    bias = bias.expand(shape) if bias.shape != shape else bias
+    return bias if allowed is None else bias.masked_fill(~allowed, -torch.inf)
 
 
 def _check_mask(mask: object, *, bool_only: bool, name: str = "mask") -> torch.Tensor:
@@ -190,12 +258,35 @@ def from_torch_mask(mask: torch.Tensor, *, name: str = "mask") -> torch.Tensor:
 
 
 def to_torch_mask(mask: torch.Tensor) -> torch.Tensor:
-    """attnlab's bool mask to nn.MultiheadAttention's polarity (True = blocked)."""
+    """attnlab's bool mask in nn.MultiheadAttention's polarity (True = blocked).
+
+    Args:
+        mask: (..., queries, keys) bool, 2-D to 4-D, True where a query may attend.
+
+    Returns:
+        The inverted mask, True where a query may not attend.
+
+    Raises:
+        TypeError: not a bool tensor.
+        ValueError: fewer than 2 or more than 4 dimensions.
+    """
     return ~_check_mask(mask, bool_only=True)
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A bool mask as an additive float mask: 0 where attending is allowed, -inf elsewhere."""
+    """A bool mask as an additive float mask: 0 where attending is allowed, -inf elsewhere.
+
+    Args:
+        mask: (..., queries, keys) bool, 2-D to 4-D.
+        dtype: a floating-point dtype for the result.
+
+    Returns:
+        The additive mask, of mask's shape and device.
+
+    Raises:
+        TypeError: mask is not a bool tensor, or dtype not floating point.
+        ValueError: fewer than 2 or more than 4 dimensions.
+    """
     mask = _check_mask(mask, bool_only=True)
     dtype = check_float_dtype("dtype", dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -torch.inf)
