@@ -2,6 +2,9 @@
 onnxruntime gives the module's outputs (atol 1e-5) on shapes other than the export
 example's."""
 
+import logging
+import warnings
+
 import pytest
 import torch
 
@@ -10,8 +13,6 @@ pytest.importorskip("onnxscript", reason="onnxscript is the optional extra attnl
 
 from attnlab import MultiHeadAttention, masks  # noqa: E402
 from attnlab.interop import export_onnx  # noqa: E402
-
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
 def _run(path, **inputs):
@@ -54,3 +55,19 @@ def test_bad_arguments(tmp_path):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
     with pytest.raises(ValueError, match="self-attention"):
         export_onnx(MultiHeadAttention(8, 8, 16, 0.0, 2, context_dim=4), tmp_path / "x.onnx")
+
+
+def test_export_is_quiet(tmp_path, capfd):
+    """No exporter progress on stdout, no log lines or warnings on stderr, and torch.onnx's
+    log level as it was."""
+    logger = logging.getLogger("torch.onnx")
+    before = logger.level
+    module = MultiHeadAttention(8, 8, 16, 0.0, 2).eval()
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_onnx(module, tmp_path / "quiet.onnx")
+        export_onnx(module, tmp_path / "quiet_padded.onnx", padding_mask=True)
+    assert capfd.readouterr() == ("", "")
+    assert [str(w.message) for w in caught] == []
+    assert logger.level == before

@@ -10,6 +10,10 @@ cross-attention are not (a graph per decoding step is out of scope here).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,7 +63,7 @@ def export_onnx(
     if padding_mask:
         inputs += (torch.ones(2, tokens, dtype=torch.bool, device=weight.device),)
         shapes["keep"] = {0: batch_dim, 1: token_dim}
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_exporter():
         torch.onnx.export(
             wrapper,
             inputs,
@@ -68,5 +72,31 @@ def export_onnx(
             dynamic_shapes=shapes,
             input_names=["x", "keep"][: len(inputs)],
             output_names=["out"],
+            verbose=False,  # its progress lines on stdout
         )
     return path
+
+
+# torch.export's own deepcopy of a pytree LeafSpec (in run_decompositions) trips torch's
+# deprecation of that class: PyTorch's internals, nothing the caller or attnlab passes
+_LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+# keep's axes are x's (one Dim object each): the exporter warns it renames them only once
+_SHARED_AXIS = r"# The axis name: (batch|tokens) will not be used, since it shares the same shape"
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter without its chatter: torch.onnx's warning-level log lines (optional
+    torchvision operators it skips), torch.export's LeafSpec FutureWarning and the note
+    that keep's axes share x's names. Errors and
+    every other warning still reach the caller; the log level is restored after."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LEAFSPEC_DEPRECATION, category=FutureWarning)
+            warnings.filterwarnings("ignore", message=_SHARED_AXIS, category=UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)
