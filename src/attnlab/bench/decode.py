@@ -7,6 +7,10 @@ arithmetic with them, so it is bound by memory traffic: (weight bytes + cache by
 read bandwidth is the physical limit a step cannot beat. The bandwidth is measured in the
 same interleaved rounds as the step it bounds, so that a busy neighbour on a shared machine
 slows both alike.
+
+The steps table has a row per head layout (multi-head, grouped-query, multi-query), batch
+(1 and 8: the weights are read once for the whole batch, the cache once per sequence),
+cache dtype (float32; bfloat16 and int8 at batch 1) and context, each with its own floor.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ class DecodeRow:
 
 @dataclass
 class CacheRow:
-    """Cache size per token for one head layout, and its decode step at the longest context."""
+    """One decode step: head layout, batch, cache dtype and context, its time per layer and
+    its floor. `layout` is the row's label (head layout, batch, cache dtype, context);
+    `head_layout`, `batch`, `cache_dtype` and `context` are the same as fields."""
 
     layout: str
     num_kv_heads: int
@@ -52,6 +58,14 @@ class CacheRow:
     cached_s: float
     read_bytes_per_s: float
     floor_s: float
+    head_layout: str = ""
+    batch: int = 1
+    cache_dtype: str = "float32"
+    context: int = 0
+
+    @property
+    def over_floor(self) -> float:
+        return self.cached_s / self.floor_s
 
 
 @dataclass
@@ -76,6 +90,8 @@ class DecodeReport:
         out = asdict(self)
         for row, raw in zip(self.rows, out["rows"], strict=True):
             raw.update(speedup=row.speedup, over_floor=row.over_floor)
+        for row, raw in zip(self.cache_rows, out["cache_rows"], strict=True):
+            raw.update(over_floor=row.over_floor)
         out["read_bytes_per_s"] = self.read_bytes_per_s
         return out
 
@@ -87,16 +103,36 @@ def run_decode(
     num_heads: int = GPT2_SMALL["num_heads"],
     layers: int = GPT2_SMALL["layers"],
     kv_heads: Sequence[int] = (),
+    batches: Sequence[int] = (1, 8),
+    cache_dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.int8),
     dtype: torch.dtype = torch.float32,
     min_run_time: float = 0.2,
     rounds: int = 3,
     progress: Callable[[str], None] = lambda step: None,
 ) -> DecodeReport:
-    """Measure batch-1 decoding at each context length: the caches hold context - 1 tokens
-    and the step appends one. The step runs through `layers` attention layers, each with its
-    own weights and cache, as in a model, so that one layer's data is not still in the CPU's
-    cache when it is read again; times are per layer. kv_heads: the layouts of the cache
-    table (default num_heads, num_heads / 3 when it divides, and 1)."""
+    """Measure decoding at each context length: the caches hold context - 1 tokens and the
+    step appends one. The step runs through `layers` attention layers, each with its own
+    weights and cache, as in a model, so that one layer's data is not still in the CPU's
+    cache when it is read again; times are per layer.
+
+    Args:
+        contexts: context lengths.
+        d_model: model width (d_in = d_out).
+        num_heads: query heads.
+        layers: layers in the stack.
+        kv_heads: the head layouts of the steps table (default num_heads, num_heads / 3
+            when it divides, and 1).
+        batches: batch sizes of the steps table (float32 caches).
+        cache_dtypes: narrower cache dtypes, measured at batch 1 for every layout.
+        dtype: the modules' dtype.
+        min_run_time: seconds per timing.
+        rounds: interleaved rounds per row.
+        progress: called with a description before each row.
+
+    Returns:
+        The report: rows (multi-head, batch 1, against recomputing) and cache_rows (every
+        layout, batch and cache dtype).
+    """
     torch.manual_seed(0)
     kv_heads = list(kv_heads) or _default_kv_heads(num_heads)
     reader = memory_read()
@@ -112,10 +148,22 @@ def run_decode(
     for context in contexts:
         progress(f"context {context}")
         report.rows.append(_decode_row(stack, context, reader, min_run_time, rounds))
+    # per layout: the narrower caches, then the module's dtype by batch, batch 1 last (the
+    # row the reference table compares with)
+    narrow = [(1, d) for d in cache_dtypes if d != dtype]
+    kinds = narrow + [(b, dtype) for b in sorted(batches, reverse=True)]
     for heads in kv_heads:
-        progress(f"{heads} key/value heads")
-        grouped = _stack(d_model, num_heads, heads, max(contexts), dtype, layers)
-        report.cache_rows.append(_cache_row(grouped, max(contexts), reader, min_run_time, rounds))
+        grouped = stack if heads == num_heads else None
+        grouped = grouped or _stack(d_model, num_heads, heads, max(contexts), dtype, layers)
+        for batch, cache_dtype in kinds:
+            progress(f"{heads} key/value heads, batch {batch}, {cache_dtype}")
+            caches = _filled_caches(grouped, batch, max(contexts), cache_dtype)
+            rows = [  # longest first: crop() only goes back
+                _cache_row(grouped, caches, context, reader, min_run_time, rounds)
+                for context in sorted(contexts, reverse=True)
+            ]
+            report.cache_rows.extend(sorted(rows, key=lambda row: row.context))
+            del caches
     return report
 
 
@@ -194,21 +242,53 @@ def _decode_row(modules, context, reader, min_run_time, rounds) -> DecodeRow:
     return DecodeRow(context, per_layer, times["recompute"], bandwidth, floor)
 
 
-def _cache_row(modules, context, reader, min_run_time, rounds) -> CacheRow:
-    _, every_layer, _ = _decode_steps(modules, context)
+def _filled_caches(modules, batch: int, max_tokens: int, cache_dtype: torch.dtype):
+    """One cache per layer of `max_tokens` positions holding max_tokens - 1 random tokens
+    (the same values in each layer, in its own memory)."""
+    first = modules[0]
+    shape = (batch, first.num_kv_heads, max_tokens - 1, first.head_dim)
+    keys, values = torch.randn(shape), torch.randn(shape)  # (b, hkv, t, hd)
+    caches = [module.make_cache(batch, max_tokens, dtype=cache_dtype) for module in modules]
+    with torch.no_grad():
+        for cache in caches:
+            cache.update(keys, values)
+    return caches
+
+
+def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheRow:
+    """The step of one token at position context - 1 through every layer (the caches are
+    cropped to context - 1 tokens before each layer's call)."""
+    first, batch = modules[0], caches[0].batch_size
+    x = torch.randn(batch, 1, first.d_in, dtype=first.out_proj.weight.dtype)  # (b, 1, d)
+
+    def every_layer():
+        hidden = x
+        with torch.no_grad():
+            for module, cache in zip(modules, caches, strict=True):
+                cache.crop(context - 1)
+                hidden = module(hidden, cache=cache)
+        return hidden
+
     read, read_bytes = reader
     times = interleaved_medians(
         {"cached": every_layer, "read": read}, rounds=rounds, min_run_time=min_run_time
     )
     bandwidth = read_bytes / times["read"]
-    module = modules[0]
+    cache_dtype = caches[0].dtype
+    per_token = first.make_cache(1, 1, dtype=cache_dtype).nbytes
+    layout, dtype_name = _layout(first), str(cache_dtype).removeprefix("torch.")
+    floor = (_weight_bytes(first) + batch * context * per_token) / bandwidth
     return CacheRow(
-        _layout(module),
-        module.num_kv_heads,
-        module.make_cache(1, 1).nbytes,
+        f"{layout} b{batch} {dtype_name} {context}",
+        first.num_kv_heads,
+        per_token,
         times["cached"] / len(modules),
         bandwidth,
-        _floor(module, context, bandwidth),
+        floor,
+        layout,
+        batch,
+        dtype_name,
+        context,
     )
 
 
