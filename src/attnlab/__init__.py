@@ -6,6 +6,16 @@ production module, `attnlab.functional.attention` the kernel under it, `attnlab.
 masks both take, `attnlab.save`/`attnlab.load` its safetensors checkpoints, `attnlab.interop`
 the conversions (PyTorch, the book, Hugging Face, ONNX), `attnlab.check` the auditor for
 anyone's attention module and `attnlab.parallel` attention across processes.
+
+Shapes: `(batch, tokens, d)` at module boundaries, `(batch, heads, tokens, head_dim)` inside.
+A boolean mask is True where a query may attend to a key.
+
+Example:
+    >>> import torch, attnlab
+    >>> module = attnlab.MultiHeadAttention(d_in=16, d_out=16, context_length=32, dropout=0.0,
+    ...                                     num_heads=4)
+    >>> module(torch.randn(2, 10, 16)).shape  # causal self-attention
+    torch.Size([2, 10, 16])
 """
 
 from importlib.metadata import PackageNotFoundError, version

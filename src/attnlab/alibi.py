@@ -25,6 +25,14 @@ def slopes(num_heads: int) -> torch.Tensor:
 
     Returns:
         (num_heads,) float32 slopes, largest first.
+
+    Raises:
+        TypeError: num_heads is not an int.
+        ValueError: num_heads < 1.
+
+    Example:
+        >>> slopes(4)
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
     num_heads = check_int("num_heads", num_heads)
     below = 2 ** math.floor(math.log2(num_heads))
@@ -48,13 +56,23 @@ def bias(
     (query i is at position num_keys - num_queries + i, as attention's causal mask has it).
 
     Args:
-        head_slopes: (h,) slopes, e.g. `slopes(h)`.
-        num_queries: tq.
-        num_keys: tk (default tq).
+        head_slopes: (h,) floating-point slopes, e.g. `slopes(h)`.
+        num_queries: tq, an int >= 0.
+        num_keys: tk, an int >= 0 (default tq).
 
     Returns:
         (1, h, tq, tk) additive bias in the slopes' dtype and device: 0 on the diagonal,
         negative for earlier keys (and positive for later ones, which causal masks away).
+        Pass it as the `mask` of attnlab.functional.attention, with causal=True.
+
+    Raises:
+        TypeError: head_slopes is not a 1-D floating-point tensor, or a size not an int.
+        ValueError: a negative size.
+
+    Example:
+        >>> bias(torch.tensor([0.5]), num_queries=2, num_keys=3)
+        tensor([[[[-0.5000,  0.0000,  0.5000],
+                  [-1.0000, -0.5000,  0.0000]]]])
     """
     if not isinstance(head_slopes, torch.Tensor) or head_slopes.dim() != 1:
         raise TypeError(f"head_slopes must be a 1-D tensor (heads,), got {head_slopes!r:.60}")

@@ -26,7 +26,16 @@ DROPOUT_NOTE = (
 
 @dataclass(frozen=True)
 class Heatmap:
-    """One attention-weight matrix to draw, rows = queries, columns = keys."""
+    """One attention-weight matrix to draw, rows = queries, columns = keys.
+
+    Attributes:
+        filename: the PNG's name in the output folder.
+        title: drawn above the map.
+        weights: (tokens, tokens) floating-point weights.
+        allowed: optional (tokens, tokens) bool, False where a cell is masked (drawn apart
+            from a weight that is zero).
+        note: a line drawn under the map.
+    """
 
     filename: str
     title: str
@@ -37,7 +46,15 @@ class Heatmap:
 
 @dataclass(frozen=True)
 class Step:
-    """One step of the chapter: where it is, what it shows, and the values it prints."""
+    """One step of the chapter: where it is, what it shows, and the values it prints.
+
+    Attributes:
+        section: the chapter's section, e.g. "3.5.1".
+        title: the step's one-line title.
+        explanation: one or two sentences saying what the step shows.
+        values: the tensors (or numbers) the step prints, by name.
+        heatmaps: the weight matrices it draws.
+    """
 
     section: str
     title: str
@@ -47,7 +64,15 @@ class Step:
 
 
 def chapter_steps() -> list[Step]:
-    """Every step of sections 3.3-3.6 and seed 003, in the order the chapter teaches them."""
+    """Every step of sections 3.3-3.6 and of the self-attention blog post, in the order the
+    chapter teaches them.
+
+    The chapter's random seeds are applied inside torch.random.fork_rng, so the caller's
+    random state is left as it was.
+
+    Returns:
+        The steps, each with its printed values and heatmaps.
+    """
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         return [*_weight_free(), *_trainable(), *_causal(), *_multi_head(), *_per_head()]
 
@@ -349,7 +374,15 @@ def _per_head() -> list[Step]:
 def run_demo(
     out_dir: str | Path = "attnlab-out", echo: Callable[[str], None] = print
 ) -> list[Path]:
-    """Print the walkthrough and write its heatmaps into `out_dir`; returns the PNG paths."""
+    """Print the walkthrough and write its heatmaps into `out_dir`.
+
+    Args:
+        out_dir: the folder for the PNGs (created if missing).
+        echo: where each printed line goes (default print).
+
+    Returns:
+        The paths of the PNGs written, in the chapter's order.
+    """
     out_dir = Path(out_dir)
     written = []
     for step in chapter_steps():

@@ -24,6 +24,10 @@ def key_ranges(allowed: torch.Tensor, causal: bool) -> tuple[list[int], list[int
     Args:
         allowed: bool (b|1, 1, tq|1, tk) with tq == tk (checked by the caller).
         causal: whether the causal mask is to be applied on top of `allowed`.
+
+    Returns:
+        (starts, ends), one int per sequence each, or None when the mask is anything else
+        (the caller then takes the masked path).
     """
     tokens = allowed.shape[-1]
     causal_allowed = masks.causal_mask(tokens, tokens, device=allowed.device)  # (t, t)
@@ -48,7 +52,18 @@ def attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence over its keys [start, end) with attnlab's kernel,
-    differentiable; rows before `start` are zero."""
+    differentiable; rows before `start` are zero.
+
+    Args:
+        q: (b, hq, t, hd) float32 CPU queries (as many as keys).
+        k: (b, hkv, t, hd) keys.
+        v: (b, hkv, t, hd) values.
+        ranges: (starts, ends) from `key_ranges`.
+        scale: multiplies the scores.
+
+    Returns:
+        (b, hq, t, hd), equal to the masked math backend's output.
+    """
     outputs = [
         _one_sequence(q[i : i + 1], k[i : i + 1], v[i : i + 1], start, end, scale)
         for i, (start, end) in enumerate(zip(*ranges, strict=True))

@@ -21,8 +21,29 @@ from attnlab._validate import (
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables for positions 0 .. max_positions - 1; forward(x, start)
-    rotates x's tokens as positions start, start + 1, ..."""
+    """Rotary embeddings with precomputed cos/sin tables for positions 0 .. max_positions - 1;
+    forward(x, start) rotates x's tokens as positions start, start + 1, ...
+
+    The tables are float32 buffers (not saved in the state_dict) and stay float32 on the
+    module's device after `.to()`, whatever its dtype.
+
+    Args:
+        head_dim: features per head, an even int >= 2.
+        max_positions: positions the tables cover, an int >= 1.
+        base: the frequency base, a finite float > 1 (10000 in RoFormer and Llama).
+        device: where the tables go (default the CPU).
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an odd or non-positive head_dim, max_positions < 1, or base <= 1 or not
+            finite.
+
+    Example:
+        >>> rope = RotaryEmbedding(head_dim=8, max_positions=16)
+        >>> q = torch.randn(1, 2, 4, 8)  # (b, heads, t, hd)
+        >>> rope(q, start=3).shape  # rotated as positions 3..6
+        torch.Size([1, 2, 4, 8])
+    """
 
     def __init__(
         self,
@@ -50,6 +71,7 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def extra_repr(self) -> str:
+        """The sizes shown by repr(module)."""
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}, base={self.base}"
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:

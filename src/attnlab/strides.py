@@ -16,9 +16,16 @@ _MAX_LEADING = 2**31 - 1  # BLAS leading dimensions are 32-bit ints
 
 
 def dense_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` (..., tokens, d) itself when its features are contiguous and its tokens at least
-    d apart (at most INT_MAX), else a contiguous copy. Batch and head strides may be
-    anything: kernels use them only as offsets."""
+    """`t` itself when its features are contiguous and its tokens at least d apart (at most
+    INT_MAX), else a contiguous copy. Batch and head strides may be anything: kernels use
+    them only as offsets.
+
+    Args:
+        t: (..., tokens, d), any layout.
+
+    Returns:
+        t, or a contiguous copy of it with the same values.
+    """
     if t.stride(-1) == 1 and t.shape[-1] <= t.stride(-2) <= _MAX_LEADING:
         return t
     # not .contiguous(): it keeps any stride of a size-1 dimension, tokens included

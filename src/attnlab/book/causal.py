@@ -1,9 +1,9 @@
 """Section 3.5: hiding future words with causal attention, and dropout on the weights.
 
 Three ways to mask, all equal (the tests show it): softmax then zero the future and
-renormalise; fill future scores with -inf before softmax; add seed 003's mask M (0 on and
-below the diagonal, -inf above). Shapes: scores and weights are (..., tokens, tokens);
-CausalAttention maps (batch, tokens, d_in) to (batch, tokens, d_out).
+renormalise; fill future scores with -inf before softmax; add the self-attention blog
+post's mask M (0 on and below the diagonal, -inf above). Shapes: scores and weights are
+(..., tokens, tokens); CausalAttention maps (batch, tokens, d_in) to (batch, tokens, d_out).
 """
 
 from __future__ import annotations
@@ -35,19 +35,62 @@ def _check_scores(attn_scores: object) -> torch.Tensor:
 
 
 def causal_keep_mask(num_tokens: int) -> torch.Tensor:
-    """The chapter's `mask_simple`: 1 on and below the diagonal, 0 above (float)."""
+    """The chapter's `mask_simple`: 1 on and below the diagonal, 0 above.
+
+    Args:
+        num_tokens: the number of tokens, an int >= 1.
+
+    Returns:
+        (num_tokens, num_tokens) float32 mask of ones and zeros.
+
+    Raises:
+        TypeError: num_tokens is not an int.
+        ValueError: num_tokens < 1.
+
+    Example:
+        >>> causal_keep_mask(3)
+        tensor([[1., 0., 0.],
+                [1., 1., 0.],
+                [1., 1., 1.]])
+    """
     n = check_int("num_tokens", num_tokens)
     return torch.tril(torch.ones(n, n))
 
 
 def causal_future_mask(num_tokens: int) -> torch.Tensor:
-    """The chapter's `mask`: 1 strictly above the diagonal (the future), 0 elsewhere (float)."""
+    """The chapter's `mask`: 1 strictly above the diagonal (the future), 0 elsewhere.
+
+    This is the book's polarity (1 = hidden); attnlab.masks uses the opposite (True = may
+    attend).
+
+    Args:
+        num_tokens: the number of tokens, an int >= 1.
+
+    Returns:
+        (num_tokens, num_tokens) float32 mask of ones and zeros.
+
+    Raises:
+        TypeError: num_tokens is not an int.
+        ValueError: num_tokens < 1.
+    """
     n = check_int("num_tokens", num_tokens)
     return torch.triu(torch.ones(n, n), diagonal=1)
 
 
 def additive_causal_mask(num_tokens: int) -> torch.Tensor:
-    """Seed 003's additive mask M: 0 on and below the diagonal, -inf above, built its way."""
+    """The additive mask M of the self-attention blog post: 0 on and below the diagonal, -inf
+    above, built its way.
+
+    Args:
+        num_tokens: the number of tokens, an int >= 1.
+
+    Returns:
+        (num_tokens, num_tokens) float32 mask to add to the scores.
+
+    Raises:
+        TypeError: num_tokens is not an int.
+        ValueError: num_tokens < 1.
+    """
     n = check_int("num_tokens", num_tokens)
     mask = torch.tril(torch.ones(n, n) * (-1) * float("inf"), diagonal=-1)  # -inf below
     return mask.t()  # -inf above the diagonal
@@ -58,6 +101,17 @@ def causal_weights_renormalised(attn_scores: torch.Tensor, d_k: int) -> torch.Te
 
     Numerically the weakest way: if the softmax underflows every kept weight of a row to 0
     (a future score far above the rest), the row is 0 / 0 = NaN where ways 2 and 3 are fine.
+
+    Args:
+        attn_scores: (..., tokens, tokens) floating-point scores, 2-D to 4-D, unscaled.
+        d_k: the keys' width, an int >= 1; the scores are divided by sqrt(d_k).
+
+    Returns:
+        (..., tokens, tokens) causal weights: 0 above the diagonal, rows summing to 1.
+
+    Raises:
+        TypeError: attn_scores is not a floating-point tensor, or d_k not an int.
+        ValueError: attn_scores not 2-D to 4-D or not square, or d_k < 1.
     """
     attn_scores = _check_scores(attn_scores)
     attn_weights = scaled_softmax(attn_scores, check_int("d_k", d_k))
@@ -67,26 +121,85 @@ def causal_weights_renormalised(attn_scores: torch.Tensor, d_k: int) -> torch.Te
 
 
 def mask_future_scores(attn_scores: torch.Tensor) -> torch.Tensor:
-    """Fill the scores above the diagonal with -inf (the chapter's `masked`), out of place."""
+    """Fill the scores above the diagonal with -inf (the chapter's `masked`), out of place.
+
+    Args:
+        attn_scores: (..., tokens, tokens) floating-point scores, 2-D to 4-D.
+
+    Returns:
+        A new tensor: the scores, -inf above the diagonal.
+
+    Raises:
+        TypeError: not a floating-point tensor.
+        ValueError: not 2-D to 4-D, or not square.
+    """
     attn_scores = _check_scores(attn_scores)
     future = causal_future_mask(attn_scores.shape[-1]).to(attn_scores.device).bool()
     return attn_scores.masked_fill(future, -torch.inf)
 
 
 def causal_weights_neg_inf(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
-    """Way 2 (figure 3.21): -inf above the diagonal, then one softmax; no renormalising."""
+    """Way 2 (figure 3.21): -inf above the diagonal, then one softmax; no renormalising.
+
+    Args:
+        attn_scores: (..., tokens, tokens) floating-point scores, 2-D to 4-D, unscaled.
+        d_k: the keys' width, an int >= 1; the scores are divided by sqrt(d_k).
+
+    Returns:
+        (..., tokens, tokens) causal weights: 0 above the diagonal, rows summing to 1.
+
+    Raises:
+        TypeError: attn_scores is not a floating-point tensor, or d_k not an int.
+        ValueError: attn_scores not 2-D to 4-D or not square, or d_k < 1.
+    """
     return scaled_softmax(mask_future_scores(attn_scores), check_int("d_k", d_k))
 
 
 def causal_weights_additive(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
-    """Way 3 (seed 003): softmax((scores + M) / sqrt(d_k)) with the additive mask M."""
+    """Way 3 (the blog post's): softmax((scores + M) / sqrt(d_k)) with the additive mask M.
+
+    Args:
+        attn_scores: (..., tokens, tokens) floating-point scores, 2-D to 4-D, unscaled.
+        d_k: the keys' width, an int >= 1; the scores are divided by sqrt(d_k).
+
+    Returns:
+        (..., tokens, tokens) causal weights: 0 above the diagonal, rows summing to 1.
+
+    Raises:
+        TypeError: attn_scores is not a floating-point tensor, or d_k not an int.
+        ValueError: attn_scores not 2-D to 4-D or not square, or d_k < 1.
+    """
     attn_scores = _check_scores(attn_scores)
     masked = attn_scores + additive_causal_mask(attn_scores.shape[-1]).to(attn_scores)
     return scaled_softmax(masked, check_int("d_k", d_k))
 
 
 class CausalAttention(nn.Module):
-    """Listing 3.3: self-attention with a causal mask (a registered buffer) and dropout."""
+    """Listing 3.3: self-attention with a causal mask (a registered buffer) and dropout.
+
+    The book's class; beyond it, the arguments and the input are validated (a ValueError
+    or TypeError naming the argument) and a sequence longer than context_length is a
+    ValueError.
+
+    Args:
+        d_in: input width, an int >= 1.
+        d_out: output width, an int >= 1.
+        context_length: the longest sequence, an int >= 1 (the size of the `mask` buffer).
+        dropout: dropout probability on the attention weights, in [0, 1); training mode only.
+        qkv_bias: whether W_query, W_key and W_value have biases.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a size < 1, or dropout outside [0, 1).
+
+    Example:
+        >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from attnlab.book import example_batch
+        >>> ca = CausalAttention(d_in=3, d_out=2, context_length=6, dropout=0.0)
+        >>> ca(example_batch()).shape
+        torch.Size([2, 6, 2])
+    """
 
     def __init__(
         self,
@@ -111,7 +224,19 @@ class CausalAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, tokens, d_in) -> (batch, tokens, d_out); a token sees itself and earlier ones."""
+        """Causal self-attention: each token sees itself and the earlier ones.
+
+        Args:
+            x: (batch, tokens, d_in) in the module's dtype and device, tokens <= context_length.
+
+        Returns:
+            (batch, tokens, d_out) context vectors.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x's shape does not fit, it is on another device, or it has more than
+                context_length tokens.
+        """
         x = check_tensor("x", x, ndims=(3,), layout="(batch, tokens, d_in)", last_dim=self.d_in)
         check_like_module("x", x, self)
         num_tokens = x.shape[1]

@@ -20,5 +20,9 @@ INPUTS: torch.Tensor = torch.tensor(
 
 
 def example_batch() -> torch.Tensor:
-    """The book's `batch`: the example stacked twice, shape (2, 6, 3), a fresh tensor."""
+    """The book's `batch`: the example stacked twice.
+
+    Returns:
+        A fresh (2, 6, 3) float32 tensor, INPUTS twice.
+    """
     return torch.stack((INPUTS, INPUTS), dim=0)  # (2, 6, 3)

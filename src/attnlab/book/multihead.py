@@ -28,6 +28,18 @@ class MultiHeadAttentionWrapper(nn.Module):
     """Listing 3.4: num_heads CausalAttention modules run one after another, concatenated.
 
     The output has d_out * num_heads features: d_out is each head's width here.
+
+    Args:
+        d_in: input width, an int >= 1.
+        d_out: each head's output width, an int >= 1.
+        context_length: the longest sequence, an int >= 1.
+        dropout: dropout probability on the attention weights, in [0, 1); training mode only.
+        num_heads: the number of heads, an int >= 1.
+        qkv_bias: whether the query, key and value projections have biases.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a size < 1, or dropout outside [0, 1).
     """
 
     def __init__(
@@ -49,15 +61,49 @@ class MultiHeadAttentionWrapper(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(b, t, d_in) -> (b, t, d_out * num_heads): every head's output, side by side."""
+        """Every head's causal attention, side by side.
+
+        Args:
+            x: (batch, tokens, d_in) in the module's dtype and device, tokens <= context_length.
+
+        Returns:
+            (batch, tokens, d_out * num_heads), head 0's features first.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x is not (batch, tokens, d_in), is on another device, or has more than
+                context_length tokens.
+        """
         return torch.cat([head(x) for head in self.heads], dim=-1)  # (b, t, d_out * h)
 
 
 class MultiHeadAttention(nn.Module):
     """Listing 3.5: one projection per Q/K/V split into heads, then an output projection.
 
-    Parameters are created in the book's order (W_query, W_key, W_value, out_proj) so that a
-    seed reproduces the book's printed outputs. `d_out` is the total width over all heads.
+    Parameters are created in the book's order (W_query, W_key, W_value, out_proj) so that
+    the chapter's random seed reproduces its printed outputs. The `mask` buffer is 1 above
+    the diagonal (the future), as the book has it. attnlab.MultiHeadAttention loads this
+    module's state_dict unchanged.
+
+    Args:
+        d_in: input width, an int >= 1.
+        d_out: the total output width over all heads, an int >= 1.
+        context_length: the longest sequence, an int >= 1.
+        dropout: dropout probability on the attention weights, in [0, 1); training mode only.
+        num_heads: the number of heads, an int >= 1 dividing d_out.
+        qkv_bias: whether the query, key and value projections have biases.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a size < 1, num_heads not dividing d_out, or dropout outside [0, 1).
+
+    Example:
+        >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from attnlab.book import example_batch
+        >>> mha = MultiHeadAttention(d_in=3, d_out=2, context_length=6, dropout=0.0, num_heads=2)
+        >>> mha(example_batch())[0, 0]  # as printed in section 3.6.2
+        tensor([0.3190, 0.4858], grad_fn=<SelectBackward0>)
     """
 
     def __init__(
@@ -99,7 +145,19 @@ class MultiHeadAttention(nn.Module):
         return projected.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """Each head's causal attention weights before dropout, shape (b, h, t, t)."""
+        """Each head's causal attention weights, before dropout.
+
+        Args:
+            x: (batch, tokens, d_in) in the module's dtype and device, tokens <= context_length.
+
+        Returns:
+            (batch, num_heads, tokens, tokens) weights: 0 above the diagonal, rows summing to 1.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x is not (batch, tokens, d_in), is on another device, or has more than
+                context_length tokens.
+        """
         return self._causal_weights(self._check_x(x))
 
     def _causal_weights(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +170,19 @@ class MultiHeadAttention(nn.Module):
         return scaled_softmax(attn_scores, keys.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(b, t, d_in) -> (b, t, d_out): causal attention per head, heads merged by out_proj."""
+        """Causal attention per head, the heads merged by out_proj.
+
+        Args:
+            x: (batch, tokens, d_in) in the module's dtype and device, tokens <= context_length.
+
+        Returns:
+            (batch, tokens, d_out) context vectors.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x is not (batch, tokens, d_in), is on another device, or has more than
+                context_length tokens.
+        """
         x = self._check_x(x)
         b, num_tokens, _ = x.shape
         attn_weights = self.dropout(self._causal_weights(x))  # (b, h, t, t)
@@ -125,17 +195,48 @@ class MultiHeadAttention(nn.Module):
 def wrapper_with_2d_output(
     d_in: int = 3, context_length: int = 6, dropout: float = 0.0
 ) -> MultiHeadAttentionWrapper:
-    """Exercise 3.2: keep num_heads=2 but get 2-d outputs, by giving each head d_out=1."""
+    """Exercise 3.2: keep num_heads=2 but get 2-d outputs, by giving each head d_out=1.
+
+    Args:
+        d_in: input width.
+        context_length: the longest sequence.
+        dropout: dropout probability on the attention weights, in [0, 1).
+
+    Returns:
+        A MultiHeadAttentionWrapper of two heads of width 1.
+    """
     return MultiHeadAttentionWrapper(d_in, 1, context_length, dropout, num_heads=2)
 
 
 def gpt2_small_attention(dropout: float = 0.0, qkv_bias: bool = False) -> MultiHeadAttention:
-    """Exercise 3.3: attention sized like GPT-2 small: 768 in and out, 12 heads, 1024 tokens."""
+    """Exercise 3.3: attention sized like GPT-2 small: 768 in and out, 12 heads, 1024 tokens.
+
+    Args:
+        dropout: dropout probability on the attention weights, in [0, 1).
+        qkv_bias: whether the query, key and value projections have biases.
+
+    Returns:
+        A MultiHeadAttention of 2,360,064 parameters (without qkv_bias).
+    """
     return MultiHeadAttention(768, 768, 1024, dropout, num_heads=12, qkv_bias=qkv_bias)
 
 
 def count_parameters(module: nn.Module) -> int:
-    """The number of trainable parameters (buffers such as the causal mask do not count)."""
+    """The number of trainable parameters (buffers such as the causal mask do not count).
+
+    Args:
+        module: any torch.nn.Module.
+
+    Returns:
+        The sum of numel() over the parameters that require grad.
+
+    Raises:
+        TypeError: module is not an nn.Module.
+
+    Example:
+        >>> count_parameters(gpt2_small_attention())
+        2360064
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     return sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -1,5 +1,6 @@
-"""Seed 003: multi-head self-attention with a separate Q/K/V matrix per head, and the
-recovery of those per-head matrices from PyTorch's nn.MultiheadAttention.
+"""The self-attention blog post (the chapter's fifth source): multi-head self-attention
+with a separate Q/K/V matrix per head, and the recovery of those per-head matrices from
+PyTorch's nn.MultiheadAttention.
 
 Shapes: X is (L, D) as in the blog, or (B, L, D); each head projects D to kdim (queries,
 keys) and vdim (values); the heads' outputs are concatenated to (..., L, heads * vdim) and
@@ -27,6 +28,22 @@ class MultiHeadSelfAttention(nn.Module):
     """The blog's layer, batch-capable: per-head parameters `_wq_h{h}`, `_wk_h{h}`, `_wv_h{h}`
     of shape (D, kdim) / (D, vdim) and an output matrix `_wo` of shape (heads * vdim, D),
     drawn with torch.randn (unscaled, as in the blog) in that order.
+
+    Args:
+        D: the model width, an int >= 1.
+        kdim: each head's query and key width (default D // heads), an int >= 1. Per head,
+            unlike nn.MultiheadAttention's kdim, the width of its key input.
+        vdim: each head's value width (default D // heads), an int >= 1.
+        heads: the number of heads, an int >= 1 (<= D when kdim or vdim defaults).
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a size < 1, or heads > D with a defaulted kdim or vdim.
+
+    Example:
+        >>> layer = MultiHeadSelfAttention(D=8, kdim=3, vdim=5, heads=2)
+        >>> layer(torch.randn(4, 8)).shape  # unbatched (L, D), as in the blog
+        torch.Size([4, 8])
     """
 
     def __init__(
@@ -48,7 +65,18 @@ class MultiHeadSelfAttention(nn.Module):
         self._wo = nn.Parameter(torch.randn(self._heads * self._vdim, self._D))
 
     def head_weights(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Head h's (W_q, W_k, W_v), applied as X @ W."""
+        """Head h's (W_q, W_k, W_v), applied as X @ W.
+
+        Args:
+            h: the head's index, an int in [0, heads).
+
+        Returns:
+            The three parameters: (D, kdim), (D, kdim) and (D, vdim).
+
+        Raises:
+            TypeError: h is not an int.
+            ValueError: h outside [0, heads).
+        """
         check_int("h", h, minimum=0)
         if h >= self._heads:
             raise ValueError(f"h ({h}) must be < heads ({self._heads})")
@@ -57,9 +85,22 @@ class MultiHeadSelfAttention(nn.Module):
     def forward(self, X: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention per head, heads concatenated, then @ W_o.
 
-        attn_mask: an optional additive float mask broadcastable to (..., L, L), such as the
-        blog's causal M; it is added after the 1/sqrt(kdim) scaling, as PyTorch does. As in
-        the blog and in PyTorch, a row masked entirely with -inf gives NaN.
+        As in the blog and in PyTorch, a row masked entirely with -inf gives NaN.
+
+        Args:
+            X: (L, D) as in the blog, or (B, L, D), in the module's dtype and device.
+            attn_mask: an optional additive float mask broadcastable to (..., L, L), such as the
+                blog's causal M (`attnlab.book.additive_causal_mask(L)`); it is added after the
+                1/sqrt(kdim) scaling, as PyTorch does.
+
+        Returns:
+            (L, D) or (B, L, D).
+
+        Raises:
+            TypeError: X is not a floating-point tensor of the module's dtype, or attn_mask is
+                not a float tensor (a bool mask must be made additive first).
+            ValueError: X's shape does not fit, it is on another device, or attn_mask does not
+                broadcast to the scores.
         """
         X = check_tensor(
             "X", X, ndims=(2, 3), layout="(L, D) or (B, L, D)", last_dim=self._D, last_dim_name="D"
@@ -77,6 +118,17 @@ class MultiHeadSelfAttention(nn.Module):
         """A layer computing exactly what `mha` computes, built from its recovered weights.
 
         The blog's layer has no biases, so `mha` must be built with bias=False.
+
+        Args:
+            mha: an nn.MultiheadAttention with bias=False and kdim == vdim == embed_dim.
+
+        Returns:
+            A MultiHeadSelfAttention in mha's dtype (the global random state is left as it was).
+
+        Raises:
+            TypeError: mha is not an nn.MultiheadAttention.
+            ValueError: mha has biases, add_bias_kv or add_zero_attn, or key/value widths other
+                than embed_dim.
         """
         weights = heads_from_torch(mha)
         if weights.bo is not None or weights.bq is not None:
@@ -134,8 +186,15 @@ def _head_attention(
 class TorchHeads:
     """Per-head weights recovered from an nn.MultiheadAttention, in X @ W layout.
 
-    wq, wk, wv: one (in_width, head_dim) matrix per head; bq, bk, bv: one (head_dim,) bias per
-    head, or None; wo: (heads * head_dim, embed_dim); bo: (embed_dim,) or None.
+    Attributes:
+        wq: one (embed_dim, head_dim) query matrix per head.
+        wk: one (kdim, head_dim) key matrix per head.
+        wv: one (vdim, head_dim) value matrix per head.
+        bq: one (head_dim,) query bias per head, or None.
+        bk: one (head_dim,) key bias per head, or None.
+        bv: one (head_dim,) value bias per head, or None.
+        wo: (heads * head_dim, embed_dim), rows following the concatenated heads.
+        bo: (embed_dim,) or None.
     """
 
     wq: list[torch.Tensor]
@@ -153,6 +212,17 @@ def heads_from_torch(mha: nn.MultiheadAttention) -> TorchHeads:
 
     PyTorch computes q = x @ W_q.T + b_q with W_q of shape (E, E) and gives head h the
     features h*hd:(h+1)*hd, so head h's matrix is rows h*hd:(h+1)*hd of W_q, transposed.
+
+    Args:
+        mha: an nn.MultiheadAttention (packed or separate projections, with or without
+            biases).
+
+    Returns:
+        The per-head weights, detached views of mha's parameters.
+
+    Raises:
+        TypeError: mha is not an nn.MultiheadAttention.
+        ValueError: mha uses add_bias_kv or add_zero_attn.
     """
     if not isinstance(mha, nn.MultiheadAttention):
         raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
@@ -202,9 +272,25 @@ def torch_attention_by_heads(
 ) -> torch.Tensor:
     """Recompute `mha(query, key, value, attn_mask=...)[0]` one head at a time.
 
-    Inputs are (batch, tokens, width) whatever mha.batch_first says; key and value default to
-    query (self-attention). attn_mask follows PyTorch: a float mask is added to the scores, a
-    boolean one is True where attending is *not* allowed. Eval-mode semantics (no dropout).
+    Eval-mode semantics (no dropout).
+
+    Args:
+        mha: an nn.MultiheadAttention without add_bias_kv or add_zero_attn.
+        query: (batch, tokens, embed_dim), whatever mha.batch_first says.
+        key: (batch, source tokens, kdim); default query (self-attention).
+        value: (batch, source tokens, vdim); default key.
+        attn_mask: PyTorch's polarity: a float mask is added to the scores, a boolean one is
+            True where attending is *not* allowed; broadcastable to (batch, tokens, source
+            tokens).
+
+    Returns:
+        (batch, tokens, embed_dim), equal to mha's output.
+
+    Raises:
+        TypeError: mha is not an nn.MultiheadAttention, or an input is not a floating-point
+            tensor of mha's dtype.
+        ValueError: widths, batch sizes or token counts that do not fit, or a mask that does
+            not broadcast.
     """
     w = heads_from_torch(mha)
     key = query if key is None else key

@@ -26,13 +26,41 @@ def _check_x(x: object, module: nn.Module) -> torch.Tensor:
 
 
 def scaled_softmax(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
-    """softmax(scores / sqrt(d_k)) over the keys: the chapter's attention weights."""
+    """softmax(scores / sqrt(d_k)) over the keys: the chapter's attention weights.
+
+    Args:
+        attn_scores: (..., keys) floating-point scores (-inf where masked).
+        d_k: the keys' width, an int >= 1.
+
+    Returns:
+        Weights of attn_scores' shape, each row summing to 1 over the keys.
+
+    Raises:
+        TypeError: d_k is not an int.
+        ValueError: d_k < 1.
+    """
     d_k = check_int("d_k", d_k)
     return torch.softmax(attn_scores / d_k**0.5, dim=-1)
 
 
 class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
-    """Listing 3.1: weights as nn.Parameter(torch.rand(d_in, d_out)), applied as x @ W."""
+    """Listing 3.1: weights as nn.Parameter(torch.rand(d_in, d_out)), applied as x @ W.
+
+    Args:
+        d_in: input width, an int >= 1.
+        d_out: output width, an int >= 1.
+
+    Raises:
+        TypeError: a width that is not an int.
+        ValueError: a width < 1.
+
+    Example:
+        >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> from attnlab.book import INPUTS
+        >>> SelfAttention_v1(d_in=3, d_out=2)(INPUTS)[1]  # as printed in section 3.4.2
+        tensor([0.3061, 0.8210], grad_fn=<SelectBackward0>)
+    """
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
@@ -43,7 +71,20 @@ class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., tokens, d_in) -> (..., tokens, d_out): softmax(Q K^T / sqrt(d_out)) V."""
+        """softmax(Q K^T / sqrt(d_out)) V over the tokens, with Q = x @ W_query and so on.
+
+        Args:
+            x: (tokens, d_in), the book's input, or (batch, tokens, d_in), in the module's
+                dtype and device.
+
+        Returns:
+            (tokens, d_out) or (batch, tokens, d_out) context vectors.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x is not 2-D or 3-D, its last dimension is not d_in, or it is on another
+                device.
+        """
         x = _check_x(x, self)
         keys = x @ self.W_key  # (..., tokens, d_out)
         queries = x @ self.W_query
@@ -54,7 +95,17 @@ class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
 
 
 class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
-    """Listing 3.2: the same mechanism with nn.Linear layers (better initialisation, bias)."""
+    """Listing 3.2: the same mechanism with nn.Linear layers (better initialisation, bias).
+
+    Args:
+        d_in: input width, an int >= 1.
+        d_out: output width, an int >= 1.
+        qkv_bias: whether the three projections have biases.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a width < 1.
+    """
 
     def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False) -> None:
         super().__init__()
@@ -66,7 +117,20 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """The (..., tokens, tokens) weights the forward pass uses (start of section 3.5)."""
+        """The weights the forward pass uses (start of section 3.5).
+
+        Args:
+            x: (tokens, d_in), the book's input, or (batch, tokens, d_in), in the module's
+                dtype and device.
+
+        Returns:
+            (tokens, tokens) or (batch, tokens, tokens) weights, each row summing to 1.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x is not 2-D or 3-D, its last dimension is not d_in, or it is on another
+                device.
+        """
         return self._weights(_check_x(x, self))
 
     def _weights(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,14 +140,37 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
         return scaled_softmax(attn_scores, keys.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., tokens, d_in) -> (..., tokens, d_out), as SelfAttention_v1 with Linear layers."""
+        """As SelfAttention_v1, with Linear layers.
+
+        Args:
+            x: (tokens, d_in), the book's input, or (batch, tokens, d_in), in the module's
+                dtype and device.
+
+        Returns:
+            (tokens, d_out) or (batch, tokens, d_out) context vectors.
+
+        Raises:
+            TypeError: x is not a floating-point tensor, or not of the module's dtype.
+            ValueError: x is not 2-D or 3-D, its last dimension is not d_in, or it is on another
+                device.
+        """
         x = _check_x(x, self)
         return self._weights(x) @ self.W_value(x)  # (..., tokens, d_out)
 
 
 @dataclass(frozen=True)
 class QueryStep:
-    """Section 3.4.1's intermediate tensors for one query token x(i)."""
+    """Section 3.4.1's intermediate tensors for one query token x(i).
+
+    Attributes:
+        query: (d_out,) q(i) = x(i) @ W_query.
+        keys: (tokens, d_out) every token's key.
+        values: (tokens, d_out_v) every token's value.
+        own_score: () omega_ii = q(i) . k(i).
+        attn_scores: (tokens,) q(i) . k(j) for every token j.
+        attn_weights: (tokens,) softmax(scores / sqrt(d_k)).
+        context_vec: (d_out_v,) z(i), the weighted sum of the values.
+    """
 
     query: torch.Tensor  # (d_out,)    q(i) = x(i) @ W_query
     keys: torch.Tensor  # (tokens, d_out)
@@ -101,7 +188,23 @@ def attention_for_query(
     W_value: torch.Tensor,  # noqa: N803
     query_index: int = 1,
 ) -> QueryStep:
-    """Section 3.4.1 step by step: the context vector of one token (x(2) by default)."""
+    """Section 3.4.1 step by step: the context vector of one token (x(2) by default).
+
+    Args:
+        inputs: (tokens, d_in) floating-point embeddings, e.g. `INPUTS`.
+        W_query: (d_in, d_out) of inputs' dtype.
+        W_key: (d_in, d_out) of inputs' dtype.
+        W_value: (d_in, d_out_v) of inputs' dtype.
+        query_index: the query token's index (0-based; 1 is the book's x(2)).
+
+    Returns:
+        Every intermediate tensor of the step, as a QueryStep.
+
+    Raises:
+        TypeError: a non-floating tensor, or weights of another dtype than inputs.
+        ValueError: a tensor not 2-D, weights whose rows are not d_in, W_query and W_key
+            of different widths, or query_index outside the tokens.
+    """
     inputs = check_tensor("inputs", inputs, ndims=(2,), layout="(tokens, d_in)")
     d_in, tokens = inputs.shape[1], inputs.shape[0]
     for name, w in (("W_query", W_query), ("W_key", W_key), ("W_value", W_value)):
@@ -140,6 +243,14 @@ def copy_v2_weights_into_v1(sa_v2: SelfAttention_v2, sa_v1: SelfAttention_v1) ->
 
     nn.Linear stores its weight as (d_out, d_in) and computes x @ W.T, so v1's W is v2's W.T.
     A v2 with qkv_bias has no v1 equivalent (v1 has no bias), which is refused.
+
+    Args:
+        sa_v2: the source, without qkv_bias.
+        sa_v1: the destination, of the same d_in and d_out; changed in place.
+
+    Raises:
+        TypeError: sa_v2 or sa_v1 of another class.
+        ValueError: sa_v2 has biases, or the two differ in d_in or d_out.
     """
     if not isinstance(sa_v2, SelfAttention_v2):
         raise TypeError(f"sa_v2 must be a SelfAttention_v2, got {type(sa_v2).__name__}")

@@ -28,13 +28,27 @@ _EVERYTHING = slice(None)
 
 
 def check_layout(layout: object) -> None:
-    """A clear error for a layout that is not one of LAYOUTS."""
+    """A clear error for a layout that is not one of LAYOUTS.
+
+    Args:
+        layout: the value to check.
+
+    Raises:
+        ValueError: layout is not "contiguous" or "zigzag".
+    """
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def pieces_per_rank(layout: Layout) -> int:
-    """How many equal pieces of the sequence one rank holds."""
+    """How many equal pieces of the sequence one rank holds.
+
+    Args:
+        layout: "contiguous" or "zigzag".
+
+    Returns:
+        2 for zigzag, 1 for contiguous.
+    """
     return 2 if layout == "zigzag" else 1
 
 
@@ -85,8 +99,13 @@ def shard_sequence(
 
 @dataclass(frozen=True)
 class Block:
-    """The part of one key/value chunk that this rank's queries attend to: rows of the local
-    queries, columns of the chunk, and whether the causal mask applies inside it."""
+    """The part of one key/value chunk that this rank's queries attend to.
+
+    Attributes:
+        rows: the local queries concerned (a slice of the rank's tokens).
+        cols: the columns of the chunk they read.
+        causal: whether the causal mask applies inside the block.
+    """
 
     rows: slice
     cols: slice
@@ -94,8 +113,18 @@ class Block:
 
 
 def block_for(rank: int, source: int, tokens: int, *, causal: bool, layout: Layout) -> Block | None:
-    """What rank `rank` computes against the key/value chunk of rank `source` (each holds
-    `tokens` local tokens); None when every score there is in the future (skipped)."""
+    """What rank `rank` computes against the key/value chunk of rank `source`.
+
+    Args:
+        rank: the rank whose queries attend.
+        source: the rank whose keys and values they read.
+        tokens: local tokens per rank.
+        causal: whether attention is causal.
+        layout: "contiguous" or "zigzag".
+
+    Returns:
+        The block, or None when every score there is in the future (skipped).
+    """
     if not causal:
         return Block(_EVERYTHING, _EVERYTHING, False)
     if source == rank:  # the chunks keep their order, so the plain causal mask is exact
@@ -109,8 +138,25 @@ def block_for(rank: int, source: int, tokens: int, *, causal: bool, layout: Layo
 
 
 def scores_per_rank(world: int, tokens: int, *, causal: bool, layout: Layout) -> list[int]:
-    """Query-key scores each rank computes for a sequence of `tokens` (the balance of the
-    layout: equal for zigzag, growing with the rank for contiguous causal attention)."""
+    """Query-key scores each rank computes for a sequence of `tokens`: the balance of the
+    layout, equal for zigzag, growing with the rank for contiguous causal attention.
+
+    Args:
+        world: the number of ranks.
+        tokens: the whole sequence's length, divisible into world (x2 for zigzag) pieces.
+        causal: whether attention is causal.
+        layout: "contiguous" or "zigzag".
+
+    Returns:
+        One count per rank, in rank order.
+
+    Raises:
+        ValueError: tokens does not divide into the layout's pieces.
+
+    Example:
+        >>> scores_per_rank(4, 16, causal=True, layout="zigzag")
+        [34, 34, 34, 34]
+    """
     pieces = world * pieces_per_rank(layout)
     if tokens % pieces:
         raise ValueError(f"tokens ({tokens}) must divide into {pieces} pieces for {layout}")

@@ -45,17 +45,37 @@ def ring_attention(
     """This rank's part of softmax(q k^T / sqrt(d)) v over the whole sequence.
 
     Every rank passes its part of the sequence in `layout` (see attnlab.parallel.layout;
-    `shard_sequence` cuts a whole tensor that way): q is (b, hq, n, d), k and v are
-    (b, hkv, n, d) with hkv dividing hq, one floating-point dtype and device. "zigzag"
-    balances causal work across ranks and needs an even n. Arguments are checked on every
-    rank with one collective first (shapes and settings must agree across ranks), so bad
-    input is an error on every rank, never a hang.
+    `shard_sequence` cuts a whole tensor that way). Keys and values travel around the ring
+    with point-to-point ops, the next transfer overlapping the current block's compute, and
+    partial results merge by log-sum-exp. Arguments are checked on every rank with one
+    collective first (shapes and settings must agree across ranks), so bad input is an
+    error on every rank, never a hang. Differentiable once (a second derivative is refused).
 
-    backend: "attnlab" is the ring of this module (any device, the four floating dtypes,
-    grouped-query heads, memory of one key/value head in flight); "torch" is the ring engine
-    behind PyTorch's context_parallel (flash kernels, equal query and key/value heads);
-    "auto" takes "torch" on CUDA where its flash kernel applies, "attnlab" everywhere else.
-    Differentiable once (a second derivative is refused)."""
+    Args:
+        q: (b, hq, n, d) this rank's queries, floating point (float32, float64, float16 or
+            bfloat16).
+        k: (b, hkv, n, d) this rank's keys, hkv dividing hq (grouped-query), q's dtype and
+            device.
+        v: (b, hkv, n, d) this rank's values.
+        causal: mask each query's future in the whole sequence.
+        layout: "contiguous" (rank r holds tokens [r n, (r + 1) n)) or "zigzag" (pieces r
+            and 2W - 1 - r of 2W, which balances causal work; n must be even).
+        group: the process group (default the world).
+        backend: "attnlab" is the ring of this module (any device, the four floating dtypes,
+            grouped-query heads, memory of one key/value head in flight); "torch" is the ring
+            engine behind PyTorch's context_parallel (flash kernels, equal query and
+            key/value heads); "auto" takes "torch" on CUDA where its flash kernel applies,
+            "attnlab" everywhere else.
+
+    Returns:
+        (b, hq, n, d) this rank's part of the output, in q's dtype.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype, on the rank that passed it.
+        ValueError: shapes, settings or a layout that do not fit, on any rank (the others
+            raise a ValueError naming it), or backend "torch" for inputs its engine cannot
+            take.
+    """
     check_arguments(q, k, v, causal=causal, layout=layout, backend=backend, group=group)
     if backend == "torch" or (backend == "auto" and q.device.type == "cuda"):
         from attnlab.parallel.torch_ring import torch_engine_refusal, torch_ring_attention

@@ -20,9 +20,26 @@ from attnlab.attention import MultiHeadAttention
 
 
 def tensor_parallel(module: MultiHeadAttention, mesh: DeviceMesh) -> MultiHeadAttention:
-    """Shard `module` in place over the 1-D `mesh` by heads; returns it. Afterwards its
-    num_heads, num_kv_heads and d_out are this rank's share, and a KV cache made from it
-    (make_cache) holds only the local key/value heads."""
+    """Shard `module` in place over the 1-D `mesh` by heads.
+
+    Afterwards its num_heads, num_kv_heads and d_out are this rank's share, and a KV cache
+    made from it (make_cache) holds only the local key/value heads. Input and output stay
+    replicated: every rank's output equals the unsharded module's. Save the unsharded
+    module, not a shard.
+
+    Args:
+        module: a self-attention attnlab.MultiHeadAttention (context_dim == d_in) whose
+            num_heads and num_kv_heads divide by the mesh size; changed in place.
+        mesh: a 1-D DeviceMesh over the ranks (e.g. init_device_mesh("cpu", (world,))).
+
+    Returns:
+        The module itself, sharded.
+
+    Raises:
+        TypeError: module is not an attnlab.MultiHeadAttention.
+        ValueError: mesh is not a 1-D DeviceMesh, module is cross-attention only, or a head
+            count does not divide by the mesh size.
+    """
     world = _check(module, mesh)
     _regroup_qkv_rows(module, world)
     parallelize_module(module, mesh, {"qkv_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
