@@ -1,6 +1,6 @@
 """attnlab: attention mechanisms for PyTorch, from the first dot product to production speed.
 
-`attnlab.book` holds the chapter's classes, faithful to the seed documents; they are the
+`attnlab.book` holds the book chapter's classes, faithful to its text; they are the
 reference oracles the rest of the package is checked against. `MultiHeadAttention` is the
 production module, `attnlab.functional.attention` the kernel under it, `attnlab.masks` the
 masks both take, `attnlab.save`/`attnlab.load` its safetensors checkpoints, `attnlab.interop`
@@ -10,10 +10,9 @@ anyone's attention module and `attnlab.parallel` attention across processes.
 Shapes: `(batch, tokens, d)` at module boundaries, `(batch, heads, tokens, head_dim)` inside.
 A boolean mask is True where a query may attend to a key.
 
-Example:
+Examples:
     >>> import torch, attnlab
-    >>> module = attnlab.MultiHeadAttention(d_in=16, d_out=16, context_length=32, dropout=0.0,
-    ...                                     num_heads=4)
+    >>> module = attnlab.MultiHeadAttention(16, 16, context_length=32, dropout=0.0, num_heads=4)
     >>> module(torch.randn(2, 10, 16)).shape  # causal self-attention
     torch.Size([2, 10, 16])
 """

@@ -30,7 +30,7 @@ def slopes(num_heads: int) -> torch.Tensor:
         TypeError: num_heads is not an int.
         ValueError: num_heads < 1.
 
-    Example:
+    Examples:
         >>> slopes(4)
         tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
@@ -69,7 +69,7 @@ def bias(
         TypeError: head_slopes is not a 1-D floating-point tensor, or a size not an int.
         ValueError: a negative size.
 
-    Example:
+    Examples:
         >>> bias(torch.tensor([0.5]), num_queries=2, num_keys=3)
         tensor([[[[-0.5000,  0.0000,  0.5000],
                   [-1.0000, -0.5000,  0.0000]]]])

@@ -59,7 +59,7 @@ def causal_mask(
         TypeError: a size that is not an int.
         ValueError: a negative size or offset.
 
-    Example:
+    Examples:
         >>> causal_mask(2, 3)
         tensor([[ True,  True, False],
                 [ True,  True,  True]])
@@ -94,7 +94,7 @@ def sliding_window_mask(
         TypeError: a size or window that is not an int.
         ValueError: a negative size or offset, or window < 1.
 
-    Example:
+    Examples:
         >>> sliding_window_mask(3, window=2)
         tensor([[ True, False, False],
                 [ True,  True, False],
@@ -151,7 +151,7 @@ def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Ten
         TypeError: lengths is not an integer tensor, or num_keys not an int.
         ValueError: lengths is not 1-D, or a length lies outside [0, num_keys].
 
-    Example:
+    Examples:
         >>> padding_mask_from_lengths(torch.tensor([3, 1]), num_keys=3)[:, 0, 0]
         tensor([[ True,  True,  True],
                 [ True, False, False]])

@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
         ValueError: an odd or non-positive head_dim, max_positions < 1, or base <= 1 or not
             finite.
 
-    Example:
+    Examples:
         >>> rope = RotaryEmbedding(head_dim=8, max_positions=16)
         >>> q = torch.randn(1, 2, 4, 8)  # (b, heads, t, hd)
         >>> rope(q, start=3).shape  # rotated as positions 3..6

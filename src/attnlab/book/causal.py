@@ -47,7 +47,7 @@ def causal_keep_mask(num_tokens: int) -> torch.Tensor:
         TypeError: num_tokens is not an int.
         ValueError: num_tokens < 1.
 
-    Example:
+    Examples:
         >>> causal_keep_mask(3)
         tensor([[1., 0., 0.],
                 [1., 1., 0.],
@@ -192,7 +192,7 @@ class CausalAttention(nn.Module):
         TypeError: an argument of the wrong type.
         ValueError: a size < 1, or dropout outside [0, 1).
 
-    Example:
+    Examples:
         >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
         >>> from attnlab.book import example_batch

@@ -97,7 +97,7 @@ class MultiHeadAttention(nn.Module):
         TypeError: an argument of the wrong type.
         ValueError: a size < 1, num_heads not dividing d_out, or dropout outside [0, 1).
 
-    Example:
+    Examples:
         >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
         >>> from attnlab.book import example_batch
@@ -233,7 +233,7 @@ def count_parameters(module: nn.Module) -> int:
     Raises:
         TypeError: module is not an nn.Module.
 
-    Example:
+    Examples:
         >>> count_parameters(gpt2_small_attention())
         2360064
     """

@@ -40,7 +40,7 @@ class MultiHeadSelfAttention(nn.Module):
         TypeError: a size that is not an int.
         ValueError: a size < 1, or heads > D with a defaulted kdim or vdim.
 
-    Example:
+    Examples:
         >>> layer = MultiHeadSelfAttention(D=8, kdim=3, vdim=5, heads=2)
         >>> layer(torch.randn(4, 8)).shape  # unbatched (L, D), as in the blog
         torch.Size([4, 8])

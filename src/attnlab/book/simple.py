@@ -42,7 +42,7 @@ def dot_product_loop(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         TypeError: a non-tensor, a non-floating tensor, or two dtypes.
         ValueError: a tensor that is not 1-D, or lengths that differ.
 
-    Example:
+    Examples:
         >>> from attnlab.book import INPUTS
         >>> dot_product_loop(INPUTS[0], INPUTS[1])
         tensor(0.9544)
@@ -69,7 +69,7 @@ def attention_scores_for_query(inputs: torch.Tensor, query: torch.Tensor) -> tor
         TypeError: a non-tensor, a non-floating tensor, or two dtypes.
         ValueError: inputs not 2-D, or query not (d,).
 
-    Example:
+    Examples:
         >>> from attnlab.book import INPUTS
         >>> attention_scores_for_query(INPUTS, INPUTS[1])
         tensor([0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865])

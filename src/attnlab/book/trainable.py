@@ -54,7 +54,7 @@ class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
         TypeError: a width that is not an int.
         ValueError: a width < 1.
 
-    Example:
+    Examples:
         >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
         >>> from attnlab.book import INPUTS

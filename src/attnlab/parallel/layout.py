@@ -153,7 +153,7 @@ def scores_per_rank(world: int, tokens: int, *, causal: bool, layout: Layout) ->
     Raises:
         ValueError: tokens does not divide into the layout's pieces.
 
-    Example:
+    Examples:
         >>> scores_per_rank(4, 16, causal=True, layout="zigzag")
         [34, 34, 34, 34]
     """
