@@ -38,6 +38,13 @@ tolerance, or attnlab never called); **error** (attnlab raised something else);
 
 Regenerate with `nice .venv/bin/python scripts/hf_coverage.py` ({seconds:.0f} s for this run).
 
+Attention sinks have two conventions for the weights `output_attentions` returns. gpt-oss's
+and DeepSeek-V4's eager return the weights the output is computed with (each row's sink share
+removed, so rows sum to less than 1); GraniteSWA's eager returns the softmax before it scales
+the output by the sink (rows sum to 1, and weights @ values is not the output). attnlab
+returns the first kind for every model, so where the second kind is used, the attentions
+row differs while logits, padding and generation are equal.
+
 Summary: {summary}.
 
 """

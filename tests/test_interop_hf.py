@@ -320,6 +320,7 @@ SLICE = {
     "gpt_oss": ("equal", ""),  # s_aux: attention sinks
     "gemma2": ("equal", ""),  # softcap
     "nllb-moe": ("refused", "_supports_sdpa is False"),  # its decoder is not marked causal
+    "deepseek_v4": ("refused", "_supports_sdpa is False"),  # pads its mask with a float bias
 }
 
 

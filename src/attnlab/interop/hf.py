@@ -80,6 +80,7 @@ NOT_YET = {
 # why a model may declare no SDPA support that attnlab judges by keyword instead (sinks,
 # softcapping): such a model is not refused wholesale for _supports_sdpa = False
 SDPA_LACKS = ("s_aux", "sinks", "softcap")
+_EXTENDS_MASK = re.compile(r"attention_mask = (torch\.cat|F\.pad|nn\.functional\.pad)\(")
 
 
 def register(name: str = NAME) -> str:
@@ -328,9 +329,12 @@ def _refuse_without_sdpa(model_class: type) -> None:
     """attnlab takes SDPA's conventions (boolean masks, a skipped causal mask read as the
     module's is_causal); a model that declares it cannot run on SDPA (NLLB-MoE's decoder
     is not marked causal) is refused, unless what SDPA lacks for it is a keyword attnlab
-    handles itself (SDPA_LACKS: implemented, or refused by name at the first forward)."""
+    handles itself (SDPA_LACKS) and it leaves transformers' mask as built: a model that pads
+    or concatenates additive values onto the mask (DeepSeek-V4's compressed keys) would turn
+    them into booleans of the wrong polarity."""
     source = _source(sys.modules.get(model_class.__module__))
-    if any(f"{name}=" in source for name in SDPA_LACKS):
+    keywords_only = any(f"{name}=" in source for name in SDPA_LACKS)
+    if keywords_only and not _EXTENDS_MASK.search(source):
         return
     if getattr(model_class, "_supports_sdpa", True) is False:
         raise ValueError(
