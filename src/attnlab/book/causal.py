@@ -193,8 +193,7 @@ class CausalAttention(nn.Module):
         ValueError: a size < 1, or dropout outside [0, 1).
 
     Examples:
-        >>> torch.manual_seed(123)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
+        >>> _ = torch.manual_seed(123)
         >>> from attnlab.book import example_batch
         >>> ca = CausalAttention(d_in=3, d_out=2, context_length=6, dropout=0.0)
         >>> ca(example_batch()).shape

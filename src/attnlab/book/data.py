@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 TOKENS: tuple[str, ...] = ("Your", "journey", "starts", "with", "one", "step")
+"""The six words of the example, one per row of INPUTS."""
 
 INPUTS: torch.Tensor = torch.tensor(
     [
