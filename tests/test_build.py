@@ -124,6 +124,7 @@ def test_a_failed_build_is_one_line_naming_the_switch(fake_build, source, monkey
 
 
 def test_no_compiler_is_said_before_torch_is_asked(source, monkeypatch):
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setenv("CXX", "attnlab-no-such-compiler")
     monkeypatch.setattr(cpp_extension, "load", _fail)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*ATTNLAB_NO_EXTENSION=1"):

@@ -203,6 +203,9 @@ def test_auto_takes_sdpa_on_macos_without_building(monkeypatch):
     assert not flash_cpu.preferred()
 
 
+@pytest.mark.skipif(
+    platform.system() != "Linux" or not _build.vectorised(), reason="auto builds it only there"
+)
 def test_without_a_compiler_one_warning_line_and_pytorch(tmp_path):
     code = (
         "import torch; from attnlab.functional import attention;"
