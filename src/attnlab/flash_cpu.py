@@ -52,11 +52,6 @@ def preferred() -> bool:
     return _build.vectorised() and platform.system() != "Darwin" and available()
 
 
-# the build's helpers, under the names attnlab.decode_cpu imports
-_put_ninja_on_path = _build.put_ninja_on_path
-_vector_flags = _build.vector_flags
-
-
 def supports(dtype: torch.dtype, device: torch.device, head_dims: tuple[int, ...]) -> bool:
     """Inputs the kernel handles: float32 on the CPU, one head_dim for q, k and v."""
     return device.type == "cpu" and dtype == torch.float32 and len(set(head_dims)) == 1
