@@ -135,29 +135,58 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (; t < n; ++t) y[t] += a * x[t];
 }
 
+// Eight cache values as float32: loaded and widened in registers (AVX2), or one by one.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(int8_t x) { return static_cast<float>(x); }
+
+#if defined(CPU_CAPABILITY_AVX2)
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
+}
+inline Vec load(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+}
+#else
+template <typename T>
+inline Vec load(const T* p) {
+  float lanes[Vec::size()];
+  for (int64_t l = 0; l < Vec::size(); ++l) lanes[l] = widen(p[l]);
+  return Vec::loadu(lanes);
+}
+#endif
+
 // y += a[0] x[0] + ... + a[3] x[3]: four rows of the cache read side by side
-void axpy4(const float* a, const float* const* x, float* y, int64_t n) {
+template <typename T>
+void axpy4(const float* a, const T* const* x, float* y, int64_t n) {
   const Vec a0(a[0]), a1(a[1]), a2(a[2]), a3(a[3]);
   int64_t t = 0;
   for (; t + Vec::size() <= n; t += Vec::size()) {
-    Vec acc = at::vec::fmadd(a0, Vec::loadu(x[0] + t), Vec::loadu(y + t));
-    acc = at::vec::fmadd(a1, Vec::loadu(x[1] + t), acc);
-    acc = at::vec::fmadd(a2, Vec::loadu(x[2] + t), acc);
-    at::vec::fmadd(a3, Vec::loadu(x[3] + t), acc).store(y + t);
+    Vec acc = at::vec::fmadd(a0, load(x[0] + t), Vec::loadu(y + t));
+    acc = at::vec::fmadd(a1, load(x[1] + t), acc);
+    acc = at::vec::fmadd(a2, load(x[2] + t), acc);
+    at::vec::fmadd(a3, load(x[3] + t), acc).store(y + t);
   }
-  for (; t < n; ++t) y[t] += a[0] * x[0][t] + a[1] * x[1][t] + a[2] * x[2][t] + a[3] * x[3][t];
+  for (; t < n; ++t) {
+    y[t] += a[0] * widen(x[0][t]) + a[1] * widen(x[1][t]) + a[2] * widen(x[2][t]) +
+            a[3] * widen(x[3][t]);
+  }
 }
 
-// out[r] = p . x[r] for four rows read side by side
-void dot4(const float* p, const float* const* x, int64_t n, float* out) {
+// out[r] += p . x[r] for four rows read side by side
+template <typename T>
+void dot4(const float* p, const T* const* x, int64_t n, float* out) {
   Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
   int64_t t = 0;
   for (; t + Vec::size() <= n; t += Vec::size()) {
     const Vec pv = Vec::loadu(p + t);
-    s0 = at::vec::fmadd(pv, Vec::loadu(x[0] + t), s0);
-    s1 = at::vec::fmadd(pv, Vec::loadu(x[1] + t), s1);
-    s2 = at::vec::fmadd(pv, Vec::loadu(x[2] + t), s2);
-    s3 = at::vec::fmadd(pv, Vec::loadu(x[3] + t), s3);
+    s0 = at::vec::fmadd(pv, load(x[0] + t), s0);
+    s1 = at::vec::fmadd(pv, load(x[1] + t), s1);
+    s2 = at::vec::fmadd(pv, load(x[2] + t), s2);
+    s3 = at::vec::fmadd(pv, load(x[3] + t), s3);
   }
   const Vec* sums[kRows] = {&s0, &s1, &s2, &s3};
   for (int64_t r = 0; r < kRows; ++r) {
@@ -165,8 +194,8 @@ void dot4(const float* p, const float* const* x, int64_t n, float* out) {
     sums[r]->store(lanes);
     float total = 0.0f;
     for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
-    for (int64_t u = t; u < n; ++u) total += p[u] * x[r][u];
-    out[r] = total;
+    for (int64_t u = t; u < n; ++u) total += p[u] * widen(x[r][u]);
+    out[r] += total;
   }
 }
 
@@ -214,11 +243,15 @@ struct Attend {
     for (int64_t u = 0; u < n; u += tile) {
       const int64_t m = std::min(tile, n - u);
       for (int64_t d = 0; d < hd; d += kRows) {
-        const float* k[kRows];
-        for (int64_t r = 0; r < kRows; ++r) {
-          k[r] = as_float(k_base + (d + r) * cap + u, &tmp[r * m], m);
+        const T* k[kRows];
+        for (int64_t r = 0; r < kRows; ++r) k[r] = k_base + (d + r) * cap + u;
+        if (groups == 1) {  // widened in registers as they are read
+          axpy4(q + d, k, scores.data() + u, m);
+          continue;
         }
-        for (int64_t i = 0; i < groups; ++i) axpy4(q + i * hd + d, k, scores.data() + i * n + u, m);
+        const float* wide[kRows];  // widened once for the query heads sharing them
+        for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(k[r], &tmp[r * m], m);
+        for (int64_t i = 0; i < groups; ++i) axpy4(q + i * hd + d, wide, scores.data() + i * n + u, m);
       }
     }
     for (int64_t i = 0; i < groups; ++i) {
@@ -240,12 +273,24 @@ struct Attend {
       p[hd] = m;
       p[hd + 1] = sum;
     }
-    for (int64_t d = 0; d < hd; d += kRows) {  // out[i, d] = sum_t p[i, t] v[d, t]
-      const float* v[kRows];
-      for (int64_t r = 0; r < kRows; ++r) v[r] = as_float(v_base + (d + r) * cap, &tmp[r * n], n);
-      for (int64_t i = 0; i < groups; ++i) {
-        float* p = partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2);
-        dot4(scores.data() + i * n, v, n, p + d);
+    for (int64_t i = 0; i < groups; ++i) {
+      std::fill_n(partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2), hd, 0.0f);
+    }
+    for (int64_t u = 0; u < n; u += tile) {  // out[i, d] = sum_t p[i, t] v[d, t], by tiles
+      const int64_t m = std::min(tile, n - u);
+      for (int64_t d = 0; d < hd; d += kRows) {
+        const T* v[kRows];
+        for (int64_t r = 0; r < kRows; ++r) v[r] = v_base + (d + r) * cap + u;
+        float* out = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2) + d;
+        if (groups == 1) {
+          dot4(scores.data() + u, v, m, out);
+          continue;
+        }
+        const float* wide[kRows];
+        for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(v[r], &tmp[r * m], m);
+        for (int64_t i = 0; i < groups; ++i) {
+          dot4(scores.data() + i * n + u, wide, m, out + i * chunks * (hd + 2));
+        }
       }
     }
   }
@@ -293,7 +338,7 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   }
   const int64_t groups = a.heads / a.kv_heads;
   at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * a.chunk), tmp(kRows * a.chunk);
+    std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, kTileScores));
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, scores, tmp);
     }
