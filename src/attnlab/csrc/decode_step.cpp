@@ -37,6 +37,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMinChunk = 512;  // keys per attention work item, at least (long rows
                                     // for the prefetcher: each is one head dimension's keys)
+constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
 constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
 constexpr int64_t kTileScores = 4096;  // scores per key tile (16 KiB, in L1 with its keys)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -46,6 +47,10 @@ float dot(const float* a, const float* b, int64_t n) {
   Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
   int64_t i = 0;
   for (; i + 4 * w <= n; i += 4 * w) {
+#if defined(CPU_CAPABILITY_AVX2)
+    _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch + 16), _MM_HINT_T0);
+#endif
     s0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s0);
     s1 = at::vec::fmadd(Vec::loadu(a + i + w), Vec::loadu(b + i + w), s1);
     s2 = at::vec::fmadd(Vec::loadu(a + i + 2 * w), Vec::loadu(b + i + 2 * w), s2);
