@@ -8,8 +8,13 @@ never advises about a masked_fill the module does not have.
 
 Kinds: masked_fill_discarded, softmax_dim, dropout_before_softmax, mask_offset (triu with
 diagonal >= 2, or tril with diagonal >= 1: future tokens visible), merge_without_transpose,
-split_without_transpose, sdpa_inverted_mask, sdpa_not_causal; and the facts source_read (a
-class whose source was read), uses_masked_fill, uses_sdpa.
+split_without_transpose, sdpa_inverted_mask, sdpa_not_causal, sdpa_dropout_always (dropout_p
+not tied to self.training), float_mask (a 0/1 float triangle given as attn_mask: added to
+the scores, not hiding them), mask_condition_off (the mask built under `if self.flag:` with
+the flag off on this module), token_reduction (a mean/std/sum over a dimension other than
+the last); and the facts source_read (a class whose source was read), uses_masked_fill,
+uses_sdpa, uses_sdpa_mask (SDPA given an attn_mask), uses_softmax, uses_positions (rotary
+or other positions computed in the forward).
 """
 
 from __future__ import annotations
@@ -42,12 +47,32 @@ def find_suspects(module: nn.Module) -> list[Suspect]:
     found: list[Suspect] = []
     seen: set[type] = set()
     for sub in module.modules():
-        cls = type(sub)
-        if cls in seen or cls.__module__.startswith("torch."):
-            continue
-        seen.add(cls)
-        found += _class_suspects(cls)
+        for cls in type(sub).__mro__:  # the classes it inherits its forward from, too
+            if cls in seen or not issubclass(cls, nn.Module) or _outside(cls):
+                continue
+            seen.add(cls)
+            found += _class_suspects(cls, sub)
     return found
+
+
+BUG_KINDS = (
+    "mask_condition_off",
+    "float_mask",
+    "masked_fill_discarded",
+    "sdpa_inverted_mask",
+    "sdpa_not_causal",
+    "mask_offset",
+    "softmax_dim",
+    "dropout_before_softmax",
+    "merge_without_transpose",
+    "split_without_transpose",
+    "token_reduction",
+)
+
+
+def _outside(cls: type) -> bool:
+    """torch's own classes and transformers' (their source is not the user's)."""
+    return cls.__module__.split(".")[0] in ("torch", "transformers", "builtins")
 
 
 def explain(suspects: list[Suspect], kinds: tuple[str, ...]) -> list[str]:
@@ -60,7 +85,7 @@ def has(suspects: list[Suspect], kind: str) -> bool:
     return any(s.kind == kind for s in suspects)
 
 
-def _class_suspects(cls: type) -> list[Suspect]:
+def _class_suspects(cls: type, instance: nn.Module) -> list[Suspect]:
     try:
         lines, start = inspect.getsourcelines(cls)
         file = inspect.getsourcefile(cls) or "<unknown>"
@@ -71,7 +96,7 @@ def _class_suspects(cls: type) -> list[Suspect]:
             return []  # defined in a REPL, compiled, or not Python source
         tree, file, start = found
     where = _short(file)
-    visitor = _Visitor(where, start - 1)
+    visitor = _Visitor(where, start - 1, instance)
     visitor.visit(tree)
     return [Suspect("source_read", where, start, cls.__name__), *visitor.found]
 
@@ -117,14 +142,41 @@ _TEXTS = {
     "head_dim) first",
     "split_without_transpose": "the heads are split with view(b, heads, tokens, head_dim): "
     "use view(b, tokens, heads, head_dim).transpose(1, 2)",
+    "sdpa_dropout_always": "F.scaled_dot_product_attention gets dropout_p in eval mode too: "
+    "pass dropout_p=self.dropout if self.training else 0.0",
+    "float_mask": "attn_mask is a float 0/1 triangle (triu/tril of ones): a float mask is "
+    "ADDED to the scores, so the future gets +1 instead of -inf: use a boolean mask "
+    "(dtype=torch.bool, True where a query may attend) or fill the blocked part with -inf",
 }
+_REDUCTIONS = ("mean", "std", "var", "sum", "norm", "amax", "amin", "logsumexp", "cumsum")
+_MASKING = {"masked_fill", "masked_fill_", "triu", "tril", "where", "scaled_dot_product_attention"}
+
+
+def _positional(method: str) -> bool:
+    """A call that applies positions: rope/rotary helpers, ALiBi, sin and cos tables."""
+    lowered = method.lower()
+    return any(w in lowered for w in ("rope", "rotary", "rotate", "alibi")) or lowered in (
+        "sin",
+        "cos",
+        "polar",
+        "view_as_complex",
+    )
+
+
+def _float_triangle(node: ast.AST) -> bool:
+    """triu/tril of ones (or ones_like) without a bool dtype or a -inf fill."""
+    calls = {_method(c) for c in ast.walk(node) if isinstance(c, ast.Call)}
+    text = ast.unparse(node)
+    bool_like = "bool" in text or "inf" in text or "finfo" in text or "masked_fill" in calls
+    return bool(calls & {"triu", "tril"}) and bool(calls & {"ones", "ones_like"}) and not bool_like
 
 
 class _Visitor(ast.NodeVisitor):
     """Walks a class's source in order, noting suspect calls and statements."""
 
-    def __init__(self, file: str, offset: int) -> None:
-        self.file, self.offset = file, offset
+    def __init__(self, file: str, offset: int, instance: nn.Module | None = None) -> None:
+        self.file, self.offset, self.instance = file, offset, instance
+        self.float_names: set[str] = set()  # names holding a float 0/1 triangle
         self.found: list[Suspect] = []
         self.dropped: dict[str, int] = {}  # names assigned from a dropout of the scores
         self.triu_names: set[str] = set()  # names (self.x too) holding a triu mask
@@ -156,6 +208,10 @@ class _Visitor(ast.NodeVisitor):
                 self.dropped.pop(n, None)
         if "triu" in calls:
             self.triu_names.update(n for n in names if n)
+        if _float_triangle(value):
+            self.float_names.update(n for n in names if n)
+        else:
+            self.float_names.difference_update(names)
         transposed = any(c in ("transpose", "permute", "movedim", "swapaxes") for c in calls)
         attended = _is_matmul(value) or "scaled_dot_product_attention" in calls
         for n in names:
@@ -177,8 +233,16 @@ class _Visitor(ast.NodeVisitor):
             self._reshape(node)
         elif method == "scaled_dot_product_attention":
             self._sdpa(node)
+        elif method in _REDUCTIONS:
+            self._reduction(node, method)
         elif method in ("masked_fill", "masked_fill_"):
             self.add("uses_masked_fill", node, "masked_fill")
+        if method in ("scaled_dot_product_attention", "multi_head_attention_forward"):
+            self._float_mask(node)
+        if method == "softmax":
+            self.add("uses_softmax", node, "softmax")
+        if _positional(method):
+            self.add("uses_positions", node, f"{method}(...)")
         if method == "scaled_dot_product_attention":
             self.add("uses_sdpa", node, "scaled_dot_product_attention")
         self.generic_visit(node)
@@ -224,6 +288,9 @@ class _Visitor(ast.NodeVisitor):
     def _reshape(self, node: ast.Call) -> None:
         receiver = node.func.value if isinstance(node.func, ast.Attribute) else None
         split = len(node.args) == 4 and not getattr(node, "_then_transposed", False)
+        shapes = [ast.unparse(a) for a in node.args]
+        # (1, heads, 1, 1) broadcasts a per-head value; (b, heads, t, t) shapes scores
+        split = split and "1" not in shapes and shapes[2] != shapes[3]
         if split and _mentions_heads(node.args[1]):
             self.add("split_without_transpose", node)
         while isinstance(receiver, ast.Call) and _method(receiver) == "contiguous":
@@ -232,7 +299,59 @@ class _Visitor(ast.NodeVisitor):
         if len(node.args) == 3 and untransposed:
             self.add("merge_without_transpose", node)
 
+    def visit_If(self, node: ast.If) -> None:
+        """A mask built only under `if self.flag:` (or `if not self.flag:`) whose flag is
+        off on the audited instance."""
+        test, negated = node.test, False
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, negated = test.operand, True
+        name = _name(test)
+        if name.startswith("self.") and self.instance is not None:
+            flag = name.removeprefix("self.")
+            value = getattr(self.instance, flag, None)
+            calls = {_method(c) for n in node.body for c in ast.walk(n) if isinstance(c, ast.Call)}
+            if calls & _MASKING and isinstance(value, bool) and value == negated:
+                text = (
+                    f"the causal mask is built only under `if {'not ' if negated else ''}"
+                    f"{name}:` and {flag} is {value} on this module: construct it with "
+                    f"{flag}={not value}, or mask unconditionally"
+                )
+                self.add("mask_condition_off", node, text)
+        self.generic_visit(node)
+
+    def _reduction(self, node: ast.Call, method: str) -> None:
+        dim = _keyword(node, "dim")
+        if dim is None and node.args and isinstance(node.func, ast.Attribute):
+            dim = node.args[0]  # x.mean(1)
+        value = _int(dim) if dim is not None else None
+        if value is not None and value != -1:
+            text = (
+                f"{ast.unparse(node)[:60]} reduces over dim={value}: if that is the token "
+                f"axis, every position sees a statistic of the whole sequence, the future "
+                f"included (normalise over the last dimension, or per position)"
+            )
+            self.add("token_reduction", node, text)
+
+    def _float_mask(self, node: ast.Call) -> None:
+        mask = _keyword(node, "attn_mask")
+        if mask is None:
+            return
+        self.add("uses_sdpa_mask", node, "attn_mask")
+        names = {_name(n) for n in ast.walk(mask) if isinstance(n, ast.Name | ast.Attribute)}
+        if _float_triangle(mask) or names & self.float_names:
+            self.add("float_mask", node, _TEXTS["float_mask"])
+
     def _sdpa(self, node: ast.Call) -> None:
+        dropout = _keyword(node, "dropout_p")
+        mentions = (
+            {n.id for n in ast.walk(dropout) if isinstance(n, ast.Name)}
+            | {n.attr for n in ast.walk(dropout) if isinstance(n, ast.Attribute)}
+            if dropout is not None
+            else set()
+        )
+        constant = isinstance(dropout, ast.Constant)
+        if dropout is not None and not constant and "training" not in mentions:
+            self.add("sdpa_dropout_always", node)
         mask = _keyword(node, "attn_mask")
         if mask is None and len(node.args) >= 4:
             mask = node.args[3]

@@ -167,13 +167,23 @@ def _is_conv1d(part: object) -> bool:
     return type(part).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
 
 
-_LENGTHS = ("context_length", "block_size", "n_positions", "max_position_embeddings")
+_LENGTHS = (
+    "context_length",
+    "block_size",
+    "n_positions",
+    "max_position_embeddings",
+    "max_seq_len",
+    "max_len",
+    "max_length",
+    "n_ctx",
+)
 
 
 def infer_context_length(module: nn.Module) -> int | None:
-    """context_length from an attribute (the book's, nanoGPT's, GPT-2's names, on a module
-    or its HF-style `config`), or the size of a square mask buffer (its last two dimensions:
-    nanoGPT's `bias` is (1, 1, T, T))."""
+    """context_length from an attribute (the book's, nanoGPT's, GPT-2's, Llama's names, on
+    a module or its HF-style `config`), or the size of a causal mask buffer: a square 0/1
+    triangle in its last two dimensions, whatever its name (nanoGPT's `bias` is
+    (1, 1, T, T))."""
     for candidate in module.modules():
         config = getattr(candidate, "config", None)
         for name in _LENGTHS:
@@ -182,14 +192,23 @@ def infer_context_length(module: nn.Module) -> int | None:
                 return value
         for name in _LENGTHS:
             value = getattr(candidate, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-        for name in ("mask", "bias"):
-            mask = getattr(candidate, name, None)
-            is_mask = isinstance(mask, torch.Tensor) and not isinstance(mask, nn.Parameter)
-            if is_mask and mask.dim() >= 2 and mask.shape[-1] == mask.shape[-2] > 1:
-                return mask.shape[-1]
+        for buffer in candidate.buffers(recurse=False):
+            if is_causal_mask(buffer):
+                return buffer.shape[-1]
     return None
+
+
+def is_causal_mask(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s last two dimensions are a square 0/1 (or bool) triangle: the
+    allowed part (tril) or the blocked part (triu, diagonal 1)."""
+    if tensor.dim() < 2 or tensor.shape[-1] != tensor.shape[-2] or tensor.shape[-1] < 2:
+        return False
+    n = tensor.shape[-1]
+    square = tensor.reshape(-1, n, n)[0].float()
+    lower = torch.ones(n, n, device=square.device).tril()
+    return bool(torch.equal(square, lower) or torch.equal(square, 1 - lower))
 
 
 def _in_width(layer: object) -> int | None:

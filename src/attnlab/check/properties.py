@@ -100,6 +100,16 @@ def check_runs(probe: Probe, seed: int) -> tuple[PropertyResult, int | None]:
             observed += "; called with (tokens, batch, d_in), as its batch_first=False says"
         return passed(name, TITLES[name], observed), longest
     causes = ["the forward fails or reshapes wrongly for some batch sizes or token counts"]
+    if (
+        probe.context_length is None
+        and longest is not None
+        and not problems_below(problems, longest)
+    ):
+        causes.insert(
+            0,
+            f"it runs up to {longest} tokens and fails above: if that is its context length, "
+            f"pass --context-length {longest} (attnlab check) or context_length={longest} (audit)",
+        )
     if longest == probe.context_length and longest is not None:
         causes.insert(
             0,
@@ -120,6 +130,12 @@ def _runs_unbatched(probe: Probe, seed: int) -> bool:
         if out.dim() != 2 or out.shape[0] != tokens:
             return False
     return True
+
+
+def problems_below(problems: list[str], longest: int) -> bool:
+    """Whether a problem was seen at `longest` tokens or fewer (not only above it)."""
+    counts = [int(p.split(", ")[1].split(" ")[0]) for p in problems if p.startswith("batch ")]
+    return any(count <= longest for count in counts)
 
 
 def check_causal(probe: Probe, tokens: int, seed: int) -> PropertyResult:
@@ -194,6 +210,8 @@ def _leak(probe: Probe, leaks: dict[int, tuple[list[int], float]]) -> PropertyRe
 
 
 _LEAK_KINDS = (
+    "mask_condition_off",
+    "float_mask",
     "masked_fill_discarded",
     "sdpa_inverted_mask",
     "sdpa_not_causal",
@@ -210,12 +228,23 @@ def leak_causes(suspects: list[source.Suspect]) -> list[str]:
         return pointed
     if not source.has(suspects, "source_read"):
         return list(CAUSAL_CAUSES)
-    fits = []
+    fits = source.explain(suspects, ("token_reduction",))
     if source.has(suspects, "uses_masked_fill"):
         fits.append(CAUSAL_CAUSES[0])
-    if source.has(suspects, "uses_sdpa"):
-        fits += CAUSAL_CAUSES[1:3]
-    return fits + CAUSAL_CAUSES[3:]
+    if source.has(suspects, "uses_sdpa_mask"):
+        fits.append(CAUSAL_CAUSES[1])
+    if source.has(suspects, "uses_softmax"):
+        fits.append(CAUSAL_CAUSES[3])
+    fits.append(CAUSAL_CAUSES[4])
+    if not source.has(suspects, "token_reduction"):
+        fits.append(_ACROSS_POSITIONS)
+    return fits
+
+
+_ACROSS_POSITIONS = (
+    "a statistic over the token axis (a mean, norm or cumulative sum across positions) "
+    "computed before or outside the mask: each position sees the whole sequence"
+)
 
 
 def check_batch_independent(probe: Probe, tokens: int, seed: int) -> PropertyResult:
@@ -296,8 +325,9 @@ def check_dropout_modes(probe: Probe, tokens: int, seed: int) -> PropertyResult:
     with torch.no_grad():
         first, second = probe(x), probe(x)
     if not torch.equal(first.nan_to_num(), second.nan_to_num()):
-        observed = "two calls in eval mode on the same input differ"
-        causes = [
+        observed = RANDOM_EVAL
+        causes = source.explain(source.find_suspects(probe.module), ("sdpa_dropout_always",))
+        causes += [
             "dropout applied in eval mode: F.dropout(..., training=True) or a dropout that "
             "ignores self.training (use nn.Dropout, or pass training=self.training)",
             "another source of randomness in the forward",
@@ -314,6 +344,7 @@ def check_dropout_modes(probe: Probe, tokens: int, seed: int) -> PropertyResult:
 
 
 _TRAIN_RATE, _TRAIN_TOKENS, _BIAS_LIMIT = 0.3, 16, 16.0
+RANDOM_EVAL = "two calls in eval mode on the same input differ"
 
 
 def _train_mode(
@@ -443,15 +474,20 @@ def check_follows_to(probe: Probe, tokens: int, seed: int) -> PropertyResult:
     try:
         with torch.no_grad():
             out = moved(moved.inputs(1, tokens, seed))
-    except Exception as error:  # the finding
+    except Exception as error:  # the finding (no plain tensor attribute is used: see above)
         observed = f"after .to(torch.float64): {_describe(error)}"
-        return failed(name, TITLES[name], observed, [*causes, "a dtype fixed in the forward"])
+        return failed(name, TITLES[name], observed, [_FIXED_DTYPE])
     if out.dtype != torch.float64:
         observed = f"after .to(torch.float64) the output is {out.dtype}"
-        return failed(name, TITLES[name], observed, ["a dtype fixed in the forward"])
+        return failed(name, TITLES[name], observed, [_FIXED_DTYPE])
     return passed(name, TITLES[name], "float64 in, float64 out; no plain tensor attributes used")
 
 
+_FIXED_DTYPE = (
+    "a dtype fixed in the forward: a tensor made without dtype= (torch.full, torch.ones, "
+    "torch.zeros default to float32) or filled with another dtype's finfo(...).min; make it "
+    "with dtype=x.dtype"
+)
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 

@@ -128,6 +128,10 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     layouts, certain, why = candidate_layouts(probe.module, probe.d_in)
     if not layouts:
         return skipped(NAME, TITLE, why)
+    suspects = source.find_suspects(probe.module)
+    positions = source.explain(suspects, ("uses_positions",))
+    if positions and certain:  # rotary or other positions computed without state
+        certain, why = False, f"{why}; positions applied in the forward: {positions[0]}"
     x = probe.inputs(2, tokens, seed)
     with torch.no_grad():
         out = probe(x).double()
@@ -141,7 +145,7 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         )
         return failed(NAME, TITLE, observed, match.misnamed)
     named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
-    fits = _fitting_bugs(out, x, named[:64], causal, tol, source.find_suspects(probe.module))
+    fits = _fitting_bugs(out, x, named[:64], causal, tol, suspects)
     gap = _gap(out, reference(x, named[0], causal))
     observed = f"differs from the reference ({named[0].what}) by up to {gap:.3g}"
     if fits:
@@ -153,7 +157,7 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
             f"{why}; no role assignment of its projections reproduces "
             f"the output (tried {len(layouts)})",
         )
-    causes = [
+    causes = source.explain(suspects, source.BUG_KINDS) or [
         "none of the classic bugs reproduces it (missing or wrong scale, softmax over the "
         "queries, heads split without a transpose, no mask): compare the forward with the "
         "book's listing line by line"
@@ -307,7 +311,8 @@ def candidate_layouts(module: nn.Module, d_in: int) -> tuple[list[Layout], bool,
 
     if isinstance(module, MultiHeadAttention):
         return _attnlab_layout(module)
-    if isinstance(getattr(module, "in_proj_weight", None), torch.Tensor):
+    weight = getattr(module, "in_proj_weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] % 3 == 0:
         return _torch_layout(module)
     layers = collect_layers(module, d_in)
     if not layers:
@@ -353,11 +358,7 @@ def _unknown_state(module: nn.Module, layers: list[Layer]) -> list[str]:
     owned = {layer.name for layer in layers}
     names = [n for n, _ in module.named_parameters()]
     names += [n for n, b in module.named_buffers() if b.is_floating_point()]
-    return [
-        n
-        for n in names
-        if not _owned(n, owned) and n.split(".")[-1] not in _MASK_NAMES and "norm" not in n
-    ]
+    return [n for n in names if not _owned(n, owned) and n.split(".")[-1] not in _MASK_NAMES]
 
 
 def _owned(name: str, owned: set[str]) -> bool:
@@ -588,7 +589,14 @@ def _torch_layout(module: nn.Module) -> tuple[list[Layout], bool, str]:
     fused = _layer("in_proj_weight", module.in_proj_weight, getattr(module, "in_proj_bias", None))
     d = fused.width // 3
     q, k, v = _split(fused, (d, d, d))
-    out = _layer("out_proj", module.out_proj.weight, module.out_proj.bias)
+    out_proj = getattr(module, "out_proj", None)
+    if isinstance(out_proj, nn.Linear):
+        out = _layer("out_proj", out_proj.weight, out_proj.bias)
+    elif isinstance(getattr(module, "out_proj_weight", None), torch.Tensor):  # F.mha_forward's
+        bias = getattr(module, "out_proj_bias", None)
+        out = _layer("out_proj_weight", module.out_proj_weight, bias)
+    else:
+        out = None
     heads = module.num_heads
     layout = Layout([Projections(q, k, v, heads, heads)], out, f"in_proj_weight, {heads} heads")
     return [layout], True, "in_proj_weight"
