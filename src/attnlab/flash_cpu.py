@@ -64,13 +64,15 @@ def attention(
     bias: torch.Tensor | None,
     scale: float,
     causal: bool,
+    key_ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q (b, hq, tq, d) over k, v (b, hkv, tk, d), causal (bottom-right
     aligned, the masked work skipped) or not, with an optional additive float bias
-    broadcastable to (b, hq, tq, tk), -inf where a query may not attend. A row with no key
-    it may see gets zeros. Any strides (dense_rows copies what the kernel cannot read).
-    Differentiable."""
-    return _Flash.apply(q, k, v, bias, scale, causal)
+    broadcastable to (b, hq, tq, tk), -inf where a query may not attend. key_ranges
+    (start, end), int64 (b,) each: sequence i reads only keys [start[i], end[i]) (a padded
+    batch, at the cost of its real keys only). A row with no key it may see gets zeros.
+    Any strides (dense_rows copies what the kernel cannot read). Differentiable."""
+    return _Flash.apply(q, k, v, bias, scale, causal, key_ranges)
 
 
 class _Flash(torch.autograd.Function):
@@ -78,12 +80,15 @@ class _Flash(torch.autograd.Function):
     logsumexp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale, causal):
+    def forward(ctx, q, k, v, bias, scale, causal, key_ranges):
         q, k, v = (dense_rows(t) for t in (q, k, v))  # the rows BLAS can read
         mask = torch.empty(0) if bias is None else _broadcast_4d(bias, q, k)
+        starts, ends = key_ranges if key_ranges is not None else (_NONE, _NONE)
         out, lse = torch.ops.attnlab.causal_flash_forward(
-            q, k, v, mask, scale, causal, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
+            q, k, v, mask, starts, ends, scale, causal, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
         )
+        if key_ranges is not None:  # the backward reads the ranges as an additive mask
+            mask = _ranges_mask(starts, ends, q.shape[2], k.shape[2], mask)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale, ctx.causal = scale, causal
         return out
@@ -109,7 +114,20 @@ class _Flash(torch.autograd.Function):
             )
         grad_q, grad_k, grad_v = grads
         grad_k, grad_v = heads.sum_groups(grad_k, groups), heads.sum_groups(grad_v, groups)
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+_NONE = torch.empty(0, dtype=torch.long)
+
+
+def _ranges_mask(
+    starts: torch.Tensor, ends: torch.Tensor, tq: int, tk: int, bias: torch.Tensor
+) -> torch.Tensor:
+    """Key ranges (and any bias) as one additive float32 mask (b, 1|hq, tq, tk)."""
+    keys = torch.arange(tk, device=starts.device)
+    inside = (keys >= starts[:, None]) & (keys < ends[:, None])  # (b, tk)
+    ranges = masks.to_additive(inside[:, None, None, :]).expand(-1, 1, tq, tk)  # (b,1,tq,tk)
+    return ranges if not bias.numel() else bias + ranges
 
 
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

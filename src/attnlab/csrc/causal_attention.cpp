@@ -149,14 +149,18 @@ struct QueryBlock {
 
 // q (b, hq, tq, d), k and v (b, hkv, tk, d) with contiguous features; mask: empty, or an
 // additive float mask broadcast to (b, hq, tq, tk) (any strides). Causal masking is
-// bottom-right aligned: query i sees keys up to i + tk - tq. Query blocks of q_split rows
+// bottom-right aligned: query i sees keys up to i + tk - tq. key_start, key_end: empty, or
+// int64 (b,): sequence b reads only keys [key_start, key_end) (a padded batch), with the
+// same causal alignment; a query before its sequence's first key gets zeros. Query blocks of q_split rows
 // read keys in blocks of kv_split; the keys on a block's diagonal are read in row
 // sub-blocks of diag_split, so that little work past the diagonal is done. Returns the
 // output as (b, hq, tq, d) stored (b, tq, hq, d), and the logsumexp (b, hq, tq).
 std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, const at::Tensor& mask,
-                                             double scale, bool causal, int64_t q_split,
-                                             int64_t kv_split, int64_t diag_split) {
+                                             const at::Tensor& key_start,
+                                             const at::Tensor& key_end, double scale,
+                                             bool causal, int64_t q_split, int64_t kv_split,
+                                             int64_t diag_split) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat,
               "causal_flash_forward: float32 only");
@@ -174,6 +178,15 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
   const int64_t kv_heads = k.size(1), tk = k.size(2);
   const int64_t groups = heads / kv_heads, offset = tk - tq;
   const bool has_mask = mask.defined() && mask.numel() > 0;
+  const bool has_ranges = key_start.defined() && key_start.numel() > 0;
+  if (has_ranges) {
+    TORCH_CHECK(key_start.scalar_type() == at::kLong && key_end.scalar_type() == at::kLong &&
+                    key_start.numel() == batch && key_end.numel() == batch &&
+                    key_start.is_contiguous() && key_end.is_contiguous(),
+                "causal_flash_forward: key_start and key_end must be contiguous int64 (batch,)");
+  }
+  const int64_t* range_start = has_ranges ? key_start.data_ptr<int64_t>() : nullptr;
+  const int64_t* range_end = has_ranges ? key_end.data_ptr<int64_t>() : nullptr;
 
   auto out = at::empty({batch, tq, heads, dim}, q.options()).transpose(1, 2);
   auto lse = at::empty({batch, heads, tq}, q.options());
@@ -197,13 +210,17 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
       const int64_t block = task % q_blocks, h = (task / q_blocks) % heads;
       const int64_t b = task / (q_blocks * heads), hk = h / groups;
       const int64_t m = block * q_split, rows = std::min(q_split, tq - m);
+      // this sequence's keys: [k0, k0 + tk_b) of the tk (all of them without ranges)
+      const int64_t k0 = has_ranges ? std::clamp<int64_t>(range_start[b], 0, tk) : 0;
+      const int64_t tk_b = has_ranges ? std::clamp<int64_t>(range_end[b], k0, tk) - k0 : tk;
       QueryBlock qb{q_data + b * qs.b + h * qs.h + m * qs.t,
                     qs.t,
-                    k_data + b * ks.b + hk * ks.h,
+                    k_data + b * ks.b + hk * ks.h + k0 * ks.t,
                     ks.t,
-                    v_data + b * vs.b + hk * vs.h,
+                    v_data + b * vs.b + hk * vs.h + k0 * vs.t,
                     vs.t,
-                    has_mask ? mask_data + b * ms.b + h * ms.h + m * ms.t : nullptr,
+                    has_mask ? mask_data + b * ms.b + h * ms.h + m * ms.t + k0 * mask_key
+                             : nullptr,
                     ms.t,
                     mask_key,
                     dim,
@@ -216,8 +233,8 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
       std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + rows * dim, 0.0f);
       // keys every row sees in full, then (causal) the diagonal band [shared, keys)
-      const int64_t first_last = m + offset;  // the first row's last visible key
-      const int64_t keys = causal ? std::clamp<int64_t>(first_last + rows, 0, tk) : tk;
+      const int64_t first_last = m + offset - k0;  // the first row's last visible key
+      const int64_t keys = causal ? std::clamp<int64_t>(first_last + rows, 0, tk_b) : tk_b;
       const int64_t shared = causal ? std::clamp<int64_t>(first_last + 1, 0, keys) : keys;
       for (int64_t n = 0; n < shared; n += kv_split) {
         qb.tile(0, static_cast<int>(rows), n, static_cast<int>(std::min(kv_split, shared - n)),
@@ -247,7 +264,8 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
 
 TORCH_LIBRARY(attnlab, m) {
   m.def(
-      "causal_flash_forward(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, bool causal, "
-      "int q_split, int kv_split, int diag_split) -> Tensor[]");
+      "causal_flash_forward(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor key_start, "
+      "Tensor key_end, float scale, bool causal, int q_split, int kv_split, int diag_split) "
+      "-> Tensor[]");
   m.impl("causal_flash_forward", c10::DispatchKey::CPU, TORCH_FN(causal_flash_forward));
 }
