@@ -132,7 +132,7 @@ def attend(
     )
     plain = not need_weights and sinks is None and softcap is None and dropout_p == 0.0
     if backend in ("auto", "flash") and plain:
-        ranges = _padded_key_ranges((q, k, v), mask, causal)
+        ranges = _padded_key_ranges((q, k, v), mask, causal, backend)
         if ranges is not None:  # causal & padding: the kernel on each sequence's real keys
             return padded.attention(q, k, v, ranges, scale)
     backend = chosen
@@ -446,16 +446,18 @@ def _choose_backend(
     return "flash" if causal_flash else "sdpa"
 
 
-def _padded_key_ranges(qkv, mask, causal) -> tuple[list[int], list[int]] | None:
+def _padded_key_ranges(qkv, mask, causal, backend) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Each sequence's real keys when the mask is causal & padding only (padded.key_ranges)
-    and the kernel can run the call: square, more than a few queries, float32 CPU."""
+    and the kernel runs the call: square, more than a few queries, float32 CPU, and for
+    "auto" only where the kernel wins (flash_cpu.preferred)."""
     if mask is None or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.requires_grad:
         return None
     q, k, _ = qkv
     if q.shape[2] != k.shape[2] or q.shape[2] <= 32 or torch.compiler.is_compiling():
         return None
     head_dims = tuple(t.shape[-1] for t in qkv)
-    if not (flash_cpu.supports(q.dtype, q.device, head_dims) and flash_cpu.available()):
+    runs = flash_cpu.preferred() if backend == "auto" else flash_cpu.available()
+    if not (flash_cpu.supports(q.dtype, q.device, head_dims) and runs):
         return None
     return padded.key_ranges(mask, causal)
 
