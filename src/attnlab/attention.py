@@ -333,7 +333,8 @@ class MultiHeadAttention(nn.Module):
                 f"the cache keeps a window of {cache.window} tokens but this module attends "
                 f"to {'every token' if self.window is None else self.window}"
             )
-        cache.check_room(x.shape[1])
+        if x.shape[1]:  # an empty x appends nothing
+            cache.check_room(x.shape[1])
 
     def _records_grad(self, x: torch.Tensor) -> bool:
         """Whether autograd would record this call (x or a parameter requires grad)."""

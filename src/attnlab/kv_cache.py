@@ -56,6 +56,7 @@ class KVCache:
         self.window = None if window is None else check_int("window", window)
         self.capacity = self.max_tokens if window is None else min(self.window, self.max_tokens)
         dtype = _check_storage_dtype(dtype)
+        device = _check_device(device)
         shape = (batch_size, num_kv_heads, head_dim, self.capacity)  # tokens last
         self._keys_t = torch.zeros(shape, dtype=dtype, device=device)  # (b, hkv, hd, capacity)
         self._values_t = torch.zeros(shape, dtype=dtype, device=device)
@@ -167,7 +168,7 @@ class KVCache:
     def crop(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (to drop rejected draft tokens or
         re-decode from a point). A rolling cache that has overwritten some of them cannot."""
-        check_int("num_tokens", num_tokens, minimum=0)
+        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
         if num_tokens > self.position:
             raise ValueError(
                 f"num_tokens ({num_tokens}) is more than the cache holds ({self.position})"
@@ -180,7 +181,16 @@ class KVCache:
         self.position = num_tokens
 
     def check_room(self, num_new: int) -> None:
-        """Raise unless `num_new` more tokens fit (a rolling cache always has room)."""
+        """Raise unless `num_new` more tokens fit (a rolling cache always has room).
+
+        Args:
+            num_new: tokens to append, an int >= 1.
+
+        Raises:
+            ValueError: they do not fit, or num_new is not an int >= 1 (TypeError for a
+                non-integer).
+        """
+        num_new = check_int("num_new", num_new)
         if not self.rolling and self.position + num_new > self.capacity:
             raise ValueError(
                 f"the cache holds {self.position} of at most max_tokens ({self.max_tokens}) "
@@ -362,8 +372,12 @@ class KVCache:
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         fits = k.dim() == 4 and k.shape == v.shape and k.dtype == v.dtype and self.accepts(k.dtype)
-        if fits and (k.shape[0], k.shape[1], k.shape[3]) == expected and k.device == self.device:
+        same_place = k.device == v.device == self.device
+        if fits and (k.shape[0], k.shape[1], k.shape[3]) == expected and same_place:
             return  # the per-token case, checked in one pass
         for name, t in (("k", k), ("v", v)):
             got = (t.shape[0], t.shape[1], t.shape[3]) if t.dim() == 4 else None
@@ -396,6 +410,18 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
     quantized = torch.round(x32 / divisor).clamp_(-127, 127).to(torch.int8)
     return quantized, scales
+
+
+def _check_device(device: object) -> torch.device | None:
+    """`device` as a torch.device (None stays None: torch's default)."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, str or None, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a device torch knows: {error}") from None
 
 
 def _check_storage_dtype(dtype: object) -> torch.dtype | None:
