@@ -31,6 +31,7 @@ from attnlab._validate import (
     check_broadcasts_to,
     check_dropout,
     check_finite,
+    check_float,
     check_mask_kind,
     check_tensor,
 )
@@ -94,7 +95,7 @@ def attention(
     scale = _check_scale(scale, q.shape[-1])
     mask = check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     sinks = check_sinks(sinks, q)
-    softcap = None if softcap is None else check_positive_float("softcap", softcap)
+    softcap = None if softcap is None else check_float("softcap", softcap, greater_than=0.0)
     return attend(
         q,
         k,
@@ -124,9 +125,30 @@ def attend(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """attention() for a caller that checked its arguments itself (MultiHeadAttention):
-    the same result without re-checking q, k, v, the mask, scale and dropout_p, which
-    decoding would pay per token. The mask is 4-D here (check_mask makes it so)."""
+    """attention() for a caller that checked its arguments itself (MultiHeadAttention).
+
+    The same result without re-checking q, k, v, the mask, scale and dropout_p, which
+    decoding would pay per token.
+
+    Args:
+        q: queries (b, hq, tq, hd), checked by the caller.
+        k: keys (b, hkv, tk, hd).
+        v: values (b, hkv, tk, hdv).
+        mask: a mask as check_mask returns it (4-D), or None.
+        causal: mask each query's future (bottom-right aligned).
+        scale: the score scale.
+        dropout_p: dropout on the weights (0.0 when not training).
+        need_weights: also return the weights.
+        backend: "auto", "math", "sdpa" or "flash".
+        sinks: checked (hq,) sink logits, or None.
+        softcap: a checked positive float, or None.
+
+    Returns:
+        As attention().
+
+    Raises:
+        ValueError: the backend cannot run the call (check_backend_call).
+    """
     chosen = _choose_backend(
         backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )
@@ -328,7 +350,19 @@ def _check_qkv(q: object, k: object, v: object) -> None:
 
 
 def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
-    """`sinks` if it is None or a finite floating-point (hq,) tensor on q's device."""
+    """`sinks` if it is None or a finite floating-point (hq,) tensor on q's device.
+
+    Args:
+        sinks: the argument to check.
+        q: the queries (b, hq, tq, hd) it goes with.
+
+    Returns:
+        `sinks`.
+
+    Raises:
+        TypeError: not a floating-point tensor.
+        ValueError: another shape or device, or a non-finite value.
+    """
     if sinks is None:
         return None
     check_tensor("sinks", sinks, ndims=(1,), layout="(query heads,)")
@@ -337,15 +371,6 @@ def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
     if sinks.device != q.device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
     return check_finite("sinks", sinks)
-
-
-def check_positive_float(name: str, value: object) -> float:
-    """`value` as a float if it is a real number, finite and > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite float, got {value}")
-    return float(value)
 
 
 def _check_scale(scale: object, head_dim: int) -> float:
@@ -359,7 +384,17 @@ def _check_scale(scale: object, head_dim: int) -> float:
 
 
 def check_backend(backend: object) -> str:
-    """Return `backend` if it names one of BACKENDS."""
+    """Return `backend` if it names one of BACKENDS.
+
+    Args:
+        backend: the argument to check.
+
+    Returns:
+        `backend`.
+
+    Raises:
+        ValueError: anything else.
+    """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
@@ -381,6 +416,23 @@ def check_backend_call(
 
     Reads only the call's description (no tensor data), so a caller with state to change
     (a KV cache) checks before it changes anything.
+
+    Args:
+        backend: the backend asked for.
+        need_weights: whether the weights are asked for.
+        dropout_p: the dropout that will apply.
+        dtype: the inputs' dtype.
+        device: the inputs' device.
+        head_dims: the head_dim of q, k and v.
+        mask: the mask (only whether it requires grad is read), or None.
+        sinks: the sinks (likewise), or None.
+        softcap: the softcap, or None.
+
+    Returns:
+        `backend`.
+
+    Raises:
+        ValueError: not a backend, or one that cannot run this call (the message says why).
     """
     backend = check_backend(backend)
     if need_weights and backend in ("sdpa", "flash"):
