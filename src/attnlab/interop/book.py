@@ -13,7 +13,18 @@ from attnlab.attention import MultiHeadAttention
 
 def from_book(m: nn.Module) -> MultiHeadAttention:
     """attnlab's MultiHeadAttention with the configuration and weights of the book's
-    MultiHeadAttention `m` (attnlab.book.MultiHeadAttention or a class with its layout)."""
+    MultiHeadAttention `m`, giving the same outputs; the inverse of to_book.
+
+    Args:
+        m: attnlab.book.MultiHeadAttention, or a class with its layout (d_in, d_out,
+            context_length, num_heads, dropout, W_query, W_key, W_value, out_proj).
+
+    Returns:
+        A causal MultiHeadAttention on m's device and dtype.
+
+    Raises:
+        TypeError: m lacks one of those attributes (named).
+    """
     for name in ("d_in", "d_out", "context_length", "num_heads", "W_query", "dropout"):
         if not hasattr(m, name):
             raise TypeError(f"m has no {name!r}: it is not a book MultiHeadAttention")

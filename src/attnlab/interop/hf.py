@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from attnlab import functional
+from attnlab import functional, qkv
 from attnlab.attention import MultiHeadAttention
 
 NAME = "attnlab"
@@ -386,23 +386,48 @@ def _guard(base: type) -> None:
 def from_gpt2_attention(
     layer: nn.Module, *, context_length: int | None = None
 ) -> MultiHeadAttention:
-    """attnlab's MultiHeadAttention with the weights of a GPT2Attention (self-attention):
-    c_attn and c_proj are Conv1D layers, weights stored (in, out)."""
+    """attnlab's MultiHeadAttention with the weights of a GPT2Attention (self-attention),
+    giving the same outputs.
+
+    Args:
+        layer: a transformers GPT2Attention: c_attn and c_proj are Conv1D layers, weights
+            stored (in, out), c_attn's columns [queries | keys | values].
+        context_length: the longest input; default the config's max_position_embeddings.
+
+    Returns:
+        A causal MultiHeadAttention with qkv_bias, on the layer's device and dtype.
+
+    Raises:
+        TypeError: layer is not a GPT2Attention (or is its cross-attention).
+    """
     _check_gpt2(layer)
     d, heads = layer.embed_dim, layer.num_heads
     length = context_length or layer.config.max_position_embeddings
     module = MultiHeadAttention(d, d, length, 0.0, heads, qkv_bias=True).to(layer.c_attn.weight)
+    rows = layer.c_attn.weight.T  # (in, 3d) -> (3d, in): fused rows [q, k, v]
+    weights = qkv.split_rows(rows, d, d) + qkv.split_rows(layer.c_attn.bias, d, d)
+    module.load_qkv_weights(qkv.QKVWeights(*weights))
     with torch.no_grad():
-        module.qkv_proj.weight.copy_(layer.c_attn.weight.T)  # (in, 3d) -> (3d, in)
-        module.qkv_proj.bias.copy_(layer.c_attn.bias)
         module.out_proj.weight.copy_(layer.c_proj.weight.T)
         module.out_proj.bias.copy_(layer.c_proj.bias)
     return module
 
 
 def to_gpt2_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Module:
-    """Copy `module`'s weights into a GPT2Attention `layer` (same width and heads); returns
-    the layer."""
+    """Copy `module`'s weights into a GPT2Attention `layer`.
+
+    Args:
+        module: a MultiHeadAttention of GPT-2's shape: self-attention, d_in == d_out ==
+            embed_dim, as many key/value heads as query heads, qkv_bias, no rope or window.
+        layer: a transformers GPT2Attention, changed in place.
+
+    Returns:
+        `layer`.
+
+    Raises:
+        TypeError: module or layer is not of the kind named.
+        ValueError: module's shape does not fit the layer's.
+    """
     _check_module(module)
     _check_gpt2(layer)
     fits = (
@@ -418,9 +443,10 @@ def to_gpt2_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Module
             f"GPT2Attention has {layer.num_heads} heads of width {layer.embed_dim} with q/k/v "
             f"biases and no rope or window; the module has {module.extra_repr()}"
         )
+    w = module.qkv_weights()
     with torch.no_grad():
-        layer.c_attn.weight.copy_(module.qkv_proj.weight.T)
-        layer.c_attn.bias.copy_(module.qkv_proj.bias)
+        layer.c_attn.weight.copy_(qkv.fuse_rows(*w.weights).T)  # (3d, in) -> (in, 3d)
+        layer.c_attn.bias.copy_(qkv.fuse_rows(*w.biases))
         layer.c_proj.weight.copy_(module.out_proj.weight.T)
         layer.c_proj.bias.copy_(module.out_proj.bias)
     return layer
@@ -430,35 +456,44 @@ def from_llama_attention(
     layer: nn.Module, *, context_length: int | None = None
 ) -> MultiHeadAttention:
     """attnlab's MultiHeadAttention (rope, grouped-query heads) with the weights of a
-    Llama-style attention layer: q_proj, k_proj, v_proj, o_proj. Its rotary embedding must
-    be the default one (rope_theta, no scaling), which attnlab's rope equals."""
+    Llama-style attention layer, giving the same outputs.
+
+    Args:
+        layer: an attention layer with Linear q_proj, k_proj, v_proj, o_proj, a config
+            and head_dim (Llama, Mistral, Qwen2, ...); its rotary embedding must be the
+            default one (rope_theta, no scaling), which attnlab's rope equals.
+        context_length: the longest input; default the config's max_position_embeddings.
+
+    Returns:
+        A causal MultiHeadAttention with rope, on the layer's device and dtype.
+
+    Raises:
+        TypeError: layer is not such a layer.
+        ValueError: rope scaling, or a head_dim other than the width over the heads.
+    """
     _check_llama(layer)
     config = layer.config
     _check_llama_rope(config)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d_in, d_out = layer.q_proj.in_features, layer.q_proj.out_features
-    bias = layer.q_proj.bias is not None
     module = MultiHeadAttention(
         d_in,
         d_out,
         context_length or config.max_position_embeddings,
         0.0,
         heads,
-        qkv_bias=bias,
+        qkv_bias=layer.q_proj.bias is not None,
         num_kv_heads=kv_heads,
         rope=True,
         rope_base=float(_rope_theta(config)),
     ).to(layer.q_proj.weight)
     if module.head_dim != layer.head_dim or layer.o_proj.in_features != d_out:
         raise ValueError(f"head_dim {layer.head_dim} != hidden width / heads: not supported")
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+    module.load_qkv_weights(
+        qkv.QKVWeights(*(p.weight for p in projections), *(p.bias for p in projections))
+    )
     with torch.no_grad():
-        module.qkv_proj.weight.copy_(
-            torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
-        )
-        if bias:
-            module.qkv_proj.bias.copy_(
-                torch.cat([layer.q_proj.bias, layer.k_proj.bias, layer.v_proj.bias])
-            )
         module.out_proj.weight.copy_(layer.o_proj.weight)
         o_bias = layer.o_proj.bias
         module.out_proj.bias.copy_(o_bias if o_bias is not None else torch.zeros(d_out))
@@ -466,20 +501,31 @@ def from_llama_attention(
 
 
 def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Module:
-    """Copy `module`'s weights into a Llama-style attention `layer`; returns the layer. The
-    module needs rope, the layer's head counts, and a zero out_proj bias when o_proj has
-    none."""
+    """Copy `module`'s weights into a Llama-style attention `layer`.
+
+    Args:
+        module: a MultiHeadAttention with rope, the layer's head counts and widths, and a
+            zero out_proj bias when o_proj has none.
+        layer: as for from_llama_attention, changed in place.
+
+    Returns:
+        `layer`.
+
+    Raises:
+        TypeError: module or layer is not of the kind named.
+        ValueError: module does not fit the layer (the message gives both).
+    """
     _check_module(module)
     _check_llama(layer)
     _check_llama_rope(layer.config)
-    q, k, v = module.qkv_proj.weight.split([module.d_out, module.kv_dim, module.kv_dim])
+    w = module.qkv_weights()
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
     fits = (
         module.fused
         and module.rope is not None
         and module.num_heads == layer.config.num_attention_heads
         and module.num_kv_heads == layer.config.num_key_value_heads
-        and q.shape == layer.q_proj.weight.shape
-        and k.shape == layer.k_proj.weight.shape
+        and all(p.weight.shape == t.shape for p, t in zip(projections, w.weights, strict=True))
         and (layer.o_proj.bias is not None or not module.out_proj.bias.any())
     )
     if not fits:
@@ -489,15 +535,9 @@ def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Modul
             f"key/value heads, rope, o_proj bias {layer.o_proj.bias is not None})"
         )
     with torch.no_grad():
-        for target, weight in zip(
-            (layer.q_proj, layer.k_proj, layer.v_proj), (q, k, v), strict=True
-        ):
+        for target, weight, bias in zip(projections, w.weights, w.biases, strict=True):
             target.weight.copy_(weight)
-        if module.qkv_bias:
-            biases = module.qkv_proj.bias.split([module.d_out, module.kv_dim, module.kv_dim])
-            for target, bias in zip(
-                (layer.q_proj, layer.k_proj, layer.v_proj), biases, strict=True
-            ):
+            if bias is not None:
                 target.bias.copy_(bias)
         layer.o_proj.weight.copy_(module.out_proj.weight)
         if layer.o_proj.bias is not None:

@@ -17,11 +17,22 @@ DEFAULT_CONTEXT_LENGTH = 8192
 def from_torch(
     m: nn.MultiheadAttention, *, context_length: int = DEFAULT_CONTEXT_LENGTH
 ) -> MultiHeadAttention:
-    """attnlab's MultiHeadAttention with the weights of `m`; not causal (torch's module takes
-    its causal mask per call). context_length: the longest query sequence it will accept.
+    """attnlab's MultiHeadAttention with the weights of `m`, giving the same outputs.
 
-    Masks for it come from torch's through `from_torch_masks`. Refused: kdim != vdim,
-    add_bias_kv and add_zero_attn (no equivalent here).
+    Not causal: torch's module takes its causal mask per call; masks for it come from
+    torch's through `from_torch_masks`.
+
+    Args:
+        m: a torch.nn.MultiheadAttention (either batch layout; attnlab's is batch first).
+        context_length: the longest query sequence the result will accept.
+
+    Returns:
+        A non-causal MultiHeadAttention on m's device and dtype (cross-attention when
+        kdim differs from embed_dim).
+
+    Raises:
+        TypeError: m is not an nn.MultiheadAttention.
+        ValueError: kdim != vdim, add_bias_kv or add_zero_attn (no equivalent here).
     """
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"m must be a torch.nn.MultiheadAttention, got {type(m).__name__}")
@@ -61,7 +72,17 @@ def to_torch(m: MultiHeadAttention) -> nn.MultiheadAttention:
     outputs; grouped-query key/value heads are repeated for each query head they serve.
 
     torch's module is never causal by itself: pass its attn_mask (`masks.to_torch_mask`) or
-    is_causal with a causal mask, as it requires. Needs d_out == d_in (torch has one width).
+    is_causal with a causal mask, as it requires.
+
+    Args:
+        m: an attnlab.MultiHeadAttention with d_out == d_in (torch has one width).
+
+    Returns:
+        nn.MultiheadAttention on m's device and dtype.
+
+    Raises:
+        TypeError: m is not an attnlab.MultiHeadAttention.
+        ValueError: d_out != d_in.
     """
     if not isinstance(m, MultiHeadAttention):
         raise TypeError(f"m must be an attnlab.MultiHeadAttention, got {type(m).__name__}")
@@ -107,10 +128,22 @@ def from_torch_masks(
     *,
     num_heads: int | None = None,
 ) -> torch.Tensor | None:
-    """The mask for attnlab from nn.MultiheadAttention's two: attn_mask (queries, keys) or
-    (batch * num_heads, queries, keys), bool True = blocked or additive float, and
-    key_padding_mask (batch, keys), bool True = padding. num_heads is needed only for a 3-D
-    attn_mask. Returns None, a bool mask (True = may attend) or an additive float one."""
+    """The mask for attnlab from nn.MultiheadAttention's two.
+
+    Args:
+        attn_mask: (queries, keys) or (batch * num_heads, queries, keys), bool (True =
+            blocked, torch's polarity) or additive float; or None.
+        key_padding_mask: (batch, keys), bool (True = padding) or additive float; or None.
+        num_heads: needed only for a 3-D attn_mask.
+
+    Returns:
+        None, a bool mask (True = may attend) or an additive float one, broadcastable to
+        (batch, heads, queries, keys).
+
+    Raises:
+        TypeError: a mask that is neither bool nor floating point (named).
+        ValueError: shapes that do not fit, or a 3-D attn_mask without num_heads.
+    """
     if attn_mask is not None:
         attn_mask = _per_head(attn_mask, num_heads)
     padding = None
