@@ -110,6 +110,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(
             d_out, d_out, **factory
         )  # combines the heads' outputs, as in the book
+        self.shards = 1  # ranks the heads are split over (attnlab.parallel.tensor_parallel)
         self.register_load_state_dict_pre_hook(_book_state_dict_hook)
 
     @property
@@ -129,15 +130,20 @@ class MultiHeadAttention(nn.Module):
     @property
     def config(self) -> dict:
         """The constructor's arguments (JSON-friendly; device and dtype excluded, they
-        belong to the parameters): MultiHeadAttention(**module.config) builds a twin."""
+        belong to the parameters): MultiHeadAttention(**module.config) builds a twin.
+
+        A module sharded by tensor_parallel holds num_heads / shards heads (its num_heads,
+        num_kv_heads and d_out attributes are this rank's share); config still describes
+        the whole module, and `shards` says how many ranks share it.
+        """
         return {
             "d_in": self.d_in,
-            "d_out": self.d_out,
+            "d_out": self.d_out * self.shards,
             "context_length": self.context_length,
             "dropout": self.dropout,
-            "num_heads": self.num_heads,
+            "num_heads": self.num_heads * self.shards,
             "qkv_bias": self.qkv_bias,
-            "num_kv_heads": self.num_kv_heads,
+            "num_kv_heads": self.num_kv_heads * self.shards,
             "causal": self.causal,
             "context_dim": self.context_dim,
             "rope": self.rope is not None,
@@ -152,6 +158,7 @@ class MultiHeadAttention(nn.Module):
             f"dropout={self.dropout}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, "
             f"context_dim={self.context_dim}, window={self.window}, backend={self.backend!r}"
+            + (f", shard of {self.shards}" if self.shards > 1 else "")
         )
 
     def make_cache(

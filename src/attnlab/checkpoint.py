@@ -102,6 +102,11 @@ def save(module: MultiHeadAttention, path: str | os.PathLike) -> Path:
         raise TypeError(
             f"module must be an attnlab.MultiHeadAttention, got {type(module).__name__}"
         )
+    if module.shards > 1:
+        raise ValueError(
+            f"module is one shard of {module.shards} (attnlab.parallel.tensor_parallel): save "
+            f"the unsharded module, whose config and weights are whole"
+        )
     path = _check_path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"path must end in .safetensors, got {str(path)!r}")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+import attnlab
 from attnlab import MultiHeadAttention
 from attnlab.parallel import tensor_parallel
 from tests.parallel.test_ring import _spawn
@@ -26,6 +27,13 @@ def _equal_to_unsharded(rank, world):
         full = MultiHeadAttention(32, 32, 64, 0.0, **config).eval()
         sharded = tensor_parallel(copy.deepcopy(full), mesh)
         assert sharded.num_heads == config["num_heads"] // world
+        assert sharded.shards == world and sharded.config == full.config  # the whole module
+        try:
+            attnlab.save(sharded, "unused.safetensors")
+        except ValueError as error:
+            assert f"one shard of {world}" in str(error)
+        else:
+            raise AssertionError("saving a shard should be refused")
         x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             torch.testing.assert_close(sharded(x), full(x), atol=1e-5, rtol=1e-5)

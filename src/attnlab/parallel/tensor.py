@@ -22,10 +22,12 @@ from attnlab.attention import MultiHeadAttention
 def tensor_parallel(module: MultiHeadAttention, mesh: DeviceMesh) -> MultiHeadAttention:
     """Shard `module` in place over the 1-D `mesh` by heads.
 
-    Afterwards its num_heads, num_kv_heads and d_out are this rank's share, and a KV cache
-    made from it (make_cache) holds only the local key/value heads. Input and output stay
-    replicated: every rank's output equals the unsharded module's. Save the unsharded
-    module, not a shard.
+    Afterwards its num_heads, num_kv_heads and d_out attributes are this rank's share and
+    `module.shards` is the mesh size, while `module.config` still describes the whole
+    module (MultiHeadAttention(**config) builds the unsharded twin). A KV cache made from
+    it (make_cache) holds only the local key/value heads. Input and output stay
+    replicated: every rank's output equals the unsharded module's. attnlab.save refuses a
+    shard: save the unsharded module.
 
     Args:
         module: a self-attention attnlab.MultiHeadAttention (context_dim == d_in) whose
@@ -43,9 +45,10 @@ def tensor_parallel(module: MultiHeadAttention, mesh: DeviceMesh) -> MultiHeadAt
     world = _check(module, mesh)
     _regroup_qkv_rows(module, world)
     parallelize_module(module, mesh, {"qkv_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
-    module.num_heads //= world
+    module.num_heads //= world  # this rank's heads; config still gives the whole module's
     module.num_kv_heads //= world
     module.d_out //= world  # this rank's width of the concatenated heads
+    module.shards = world
     return module
 
 
