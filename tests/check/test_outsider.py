@@ -3,6 +3,7 @@
 the probe's own reach: nn.MultiheadAttention audited directly in both batch layouts, widths
 found without d_in, huge context lengths sized down, hints with the real option spellings."""
 
+import functools
 import warnings
 
 import pytest
@@ -24,17 +25,23 @@ def _audit(module, **kwargs):
         return audit(module, **kwargs)
 
 
+@functools.cache
+def _outsider_report(name):
+    """One audit per zoo module, shared by the tests that read its report."""
+    kwargs, causal = outsider.CORRECT.get(name) or (outsider.BUGS[name][0], True)
+    return _audit(getattr(outsider, name)(**kwargs), causal=causal)
+
+
 @pytest.mark.parametrize("name", sorted(outsider.CORRECT))
 def test_correct_outsider_modules_give_no_failure(name):
-    kwargs, causal = outsider.CORRECT[name]
-    report = _audit(getattr(outsider, name)(**kwargs), causal=causal)
+    report = _outsider_report(name)
     assert report.ok, {r.name: (r.observed, r.causes) for r in report.results if r.failed}
 
 
 @pytest.mark.parametrize("name", sorted(outsider.BUGS))
 def test_each_outsider_bug_fails_with_its_cause_named(name):
-    kwargs, must_fail, words = outsider.BUGS[name]
-    report = _audit(getattr(outsider, name)(**kwargs))
+    _, must_fail, words = outsider.BUGS[name]
+    report = _outsider_report(name)
     assert must_fail <= set(report.failed), report.failed
     explained = " ".join(" ".join([report[n].observed, *report[n].causes]) for n in must_fail)
     assert words in explained, explained
@@ -49,30 +56,30 @@ def test_correct_outsider_sources_have_no_suspects(name):
 def test_random_eval_output_is_reported_once():
     """A module random in eval mode fails dropout_modes, naming the line; the properties
     that compare two calls are left undecided instead of failing with unrelated causes."""
-    report = _audit(outsider.SdpaDropoutAlways(8, 2))
+    report = _outsider_report("SdpaDropoutAlways")
     assert report.failed == ["dropout_modes"], report.failed
     assert "outsider.py:" in report["dropout_modes"].causes[0]
     assert report["causal"].status == "skipped"
 
 
 def test_the_condition_that_turns_the_mask_off_is_named():
-    causes = _audit(outsider.T5EncoderAsDecoder(8, 2, 4))["causal"].causes
+    causes = _outsider_report("T5EncoderAsDecoder")["causal"].causes
     assert "`if self.is_decoder:`" in causes[0] and "is_decoder=True" in causes[0], causes
 
 
 def test_rotary_positions_make_the_reference_undecided_not_failed():
-    result = _audit(outsider.LlamaAttention(8, 4, 2))["reference"]
+    result = _outsider_report("LlamaAttention")["reference"]
     assert result.status == "skipped" and "_rope" in result.observed, result.observed
 
 
 def test_a_leak_from_a_sequence_statistic_names_the_reduction():
-    causes = _audit(outsider.QKNormOverTokens(8, 2))["causal"].causes
+    causes = _outsider_report("QKNormOverTokens")["causal"].causes
     assert "k.mean(dim=2" in causes[0], causes
     assert not any("is_causal" in c or "masked_fill" in c for c in causes), causes
 
 
 def test_a_mask_buffer_of_any_name_gives_the_context_length():
-    report = _audit(outsider.CausalBufferNotSliced(8, 2))
+    report = _outsider_report("CausalBufferNotSliced")
     assert report.context_length == 6
     assert "runs" in report.failed and "sliced" in " ".join(report["runs"].causes)
 
