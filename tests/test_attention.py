@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from attnlab import MultiHeadAttention, book, flash_cpu, masks
-from tests.properties import assert_batch_independent, assert_causal
-from tests.reference import module_reference
+from tests.definitions import module_reference
+from tests.invariants import assert_batch_independent, assert_causal
 
 seeds = st.integers(0, 2**31 - 1)
 BACKENDS = ("math", "sdpa")

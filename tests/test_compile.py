@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnlab import MultiHeadAttention
-from tests.reference import decode
+from tests.definitions import decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from attnlab import _build, flash_cpu, functional, masks
 from attnlab.functional import attention
-from tests.reference import reference
+from tests.definitions import reference
 
 ATOL = 1e-5
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from attnlab import book, flash_cpu, masks
 from attnlab.functional import attention
-from tests.reference import reference
+from tests.definitions import reference
 
 
 @st.composite

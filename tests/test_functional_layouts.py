@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from attnlab import flash_cpu, masks
 from attnlab.functional import attention
 from attnlab.strides import dense_rows
-from tests.reference import reference
+from tests.definitions import reference
 
 LAYOUTS = ("contiguous", "expand", "transpose", "step", "unfold", "as_strided", "permute")
 

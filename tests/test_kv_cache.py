@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnlab import KVCache, MultiHeadAttention, flash_cpu, functional, masks
-from tests.reference import decode, module_reference, window_allowed
+from tests.definitions import decode, module_reference, window_allowed
 
 seeds = st.integers(0, 2**31 - 1)
 BACKENDS = ["math", "sdpa", "auto"] + (["flash"] if flash_cpu.available() else [])

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnlab.rope import RotaryEmbedding, rotary_tables
-from tests.reference import rope_reference
+from tests.definitions import rope_reference
 
 seeds = st.integers(0, 2**31 - 1)
 

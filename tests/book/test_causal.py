@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from attnlab import book
 from tests.book import printed
 from tests.book.leaky import LeakyCausalAttention
-from tests.properties import assert_batch_independent, assert_causal, assert_leaks
+from tests.invariants import assert_batch_independent, assert_causal, assert_leaks
 
 seeds = st.integers(0, 2**31 - 1)
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attnlab import book
-from tests.properties import assert_batch_independent, assert_causal
+from tests.invariants import assert_batch_independent, assert_causal
 
 seeds = st.integers(0, 2**31 - 1)
 

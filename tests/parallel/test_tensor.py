@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import attnlab
 from attnlab import MultiHeadAttention
 from attnlab.parallel import tensor_parallel
+from tests.definitions import decode
 from tests.parallel.test_ring import _spawn
-from tests.reference import decode
 
 CONFIGS = [
     dict(num_heads=4),
