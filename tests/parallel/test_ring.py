@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnlab.bench.parallel import exit_rank, free_loopback_port
 from attnlab.functional import attention
 from attnlab.parallel import LAYOUTS, ring_attention, shard_sequence
+from attnlab.parallel.launch import exit_rank, free_loopback_port
 
 TIMEOUT_S = 120
 

@@ -22,11 +22,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-import socket
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from attnlab.bench.memory import peak_bytes
+from attnlab.parallel.launch import exit_rank, free_loopback_port
 from attnlab.parallel.layout import scores_per_rank
 
 SINGLE = "1 process: PyTorch SDPA"
@@ -182,22 +180,3 @@ def _training_step(call, inputs):
     """Forward, then the gradients of q, k, v for the output gradient inputs[3]."""
     q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
     return torch.autograd.grad(call(q, k, v), (q, k, v), inputs[3].contiguous())
-
-
-def exit_rank() -> NoReturn:
-    """End a spawned rank whose work is done: destroy its process group, then exit without
-    the interpreter's shutdown. A gloo worker thread may still drop the last reference to a
-    Python-owned tensor while the interpreter finalises, which aborts the process
-    ("terminate called without an active exception"; seen in about 1 run of 30 after
-    PyTorch's functional collectives, never after exiting this way)."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
