@@ -61,8 +61,11 @@ def handles(
     """True when a checked cached call can take the native step: one float32 token per
     sequence on the CPU, backend "auto", no mask, no weights, no dropout, nothing recording
     gradients, plain nn.Linear projections, a head_dim that is a multiple of 4 (the kernel
-    reads four of its rows side by side), a cache whose window is the module's."""
+    reads four of its rows side by side), a cache whose window is the module's; never
+    while torch.compile or export traces the module."""
     if x.shape[1] != 1 or mask is not None or need_weights or module.backend != "auto":
+        return False
+    if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
         return False
     if x.dtype != torch.float32 or not x.is_cpu or cache.dtype not in _CACHE_DTYPES:
         return False
