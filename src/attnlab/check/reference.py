@@ -21,6 +21,7 @@ Shapes: b batch, t tokens, h query heads, g key/value heads, hd head width, hv v
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from dataclasses import dataclass, field, replace
@@ -145,7 +146,8 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         )
         return failed(NAME, TITLE, observed, match.misnamed)
     named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
-    fits = _fitting_bugs(out, x, named[:64], causal, tol, suspects)
+    tried = named[:64] if certain else named[:16]  # state outside: few fits are possible
+    fits = _fitting_bugs(out, x, tried, causal, tol, suspects)
     gap = _gap(out, reference(x, named[0], causal))
     observed = f"differs from the reference ({named[0].what}) by up to {gap:.3g}"
     if fits:
@@ -276,6 +278,7 @@ def _attend(x, p: Projections, causal: bool, variant: str, window: int | None) -
     return out.transpose(1, 2).reshape(b, t, -1)  # (b, h, t, hv) -> (b, t, h * hv)
 
 
+@functools.lru_cache(maxsize=64)  # read only: masked_fill returns a new tensor
 def _masked(t: int, variant: str, window: int | None) -> torch.Tensor:
     """(t, t) bool, True where the scores are masked: the future, or a bug's version."""
     ones = torch.ones(t, t, dtype=torch.bool)
