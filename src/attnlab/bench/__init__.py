@@ -120,7 +120,8 @@ def decode_command(
     options = dict(QUICK_DECODE) if quick else {}
     if contexts:
         options["contexts"] = tuple(contexts)
-    steps = 1 + len(options.get("contexts", (256, 1024, 4096))) + 3
+    contexts = options.get("contexts", (256, 1024, 4096))
+    steps = 1 + len(contexts) + 3 * 4  # 3 head layouts x (bf16, int8, batch 8, batch 1)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("decoding", total=steps)
         report = run_decode(progress=_advance(progress, task), **options)

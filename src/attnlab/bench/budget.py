@@ -61,11 +61,12 @@ def memory_bytes(sizes: Sizes, *, max_bytes: int) -> int:
     return 4 * sizes.activation_bytes + scores
 
 
-def decode_bytes(context: int, *, d_model: int, layers: int, itemsize: int) -> int:
-    """Peak estimate of decoding at the longest context (module docstring)."""
+def decode_bytes(context: int, *, d_model: int, layers: int, itemsize: int, batch: int = 8) -> int:
+    """Peak estimate of decoding at the longest context (module docstring): every layer's
+    weights and its cache for the largest batch the steps table runs."""
     per_token = d_model * itemsize
     weights = 4 * d_model * d_model * itemsize
-    return layers * (2 * context * per_token + weights) + 8 * context * per_token
+    return layers * (2 * batch * context * per_token + weights) + 8 * context * per_token
 
 
 def parallel_bytes(world: int, tokens: int, *, d_model: int, itemsize: int) -> int:

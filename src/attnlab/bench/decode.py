@@ -49,8 +49,7 @@ class DecodeRow:
 @dataclass
 class CacheRow:
     """One decode step: head layout, batch, cache dtype and context, its time per layer and
-    its floor. `layout` is the row's label (head layout, batch, cache dtype, context);
-    `head_layout`, `batch`, `cache_dtype` and `context` are the same as fields."""
+    its floor."""
 
     layout: str
     num_kv_heads: int
@@ -58,7 +57,6 @@ class CacheRow:
     cached_s: float
     read_bytes_per_s: float
     floor_s: float
-    head_layout: str = ""
     batch: int = 1
     cache_dtype: str = "float32"
     context: int = 0
@@ -279,13 +277,12 @@ def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheR
     layout, dtype_name = _layout(first), str(cache_dtype).removeprefix("torch.")
     floor = (_weight_bytes(first) + batch * context * per_token) / bandwidth
     return CacheRow(
-        f"{layout} b{batch} {dtype_name} {context}",
+        layout,
         first.num_kv_heads,
         per_token,
         times["cached"] / len(modules),
         bandwidth,
         floor,
-        layout,
         batch,
         dtype_name,
         context,

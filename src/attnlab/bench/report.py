@@ -24,6 +24,9 @@ from attnlab.bench.memory import MemoryReport, MemoryRow, format_bytes
 _MODE_TITLES = {FORWARD: "forward (no_grad)", BACKWARD: "forward + backward"}
 
 
+_SHORT_LAYOUTS = {"multi-head": "MHA", "grouped-query": "GQA", "multi-query": "MQA"}
+
+
 def print_decode(report: DecodeReport, console: Console | None = None) -> None:
     """The decoding figures as two tables: per context, then per head layout."""
     console = console or Console()
@@ -51,19 +54,25 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
             f"{row.over_floor:.2f}",
         )
     console.print(steps)
-    longest = report.rows[-1].context if report.rows else 0
-    caches = Table(title=f"Cache size by head layout (decode step at context {longest})")
-    for column in ("layout", "kv heads", "bytes/token", "cached ms", "GB/s", "floor ms", "x floor"):
-        caches.add_column(column, justify="right")
+    caches = Table(
+        title="Decode step by head layout (MHA multi-head, GQA grouped-query, MQA multi-query), "
+        "batch and cache dtype"
+    )
+    columns = ("layout", "kv", "batch", "cache", "context", "B/token", "ms", "GB/s", "floor ms")
+    for column in (*columns, "x floor"):
+        caches.add_column(column, justify="right", no_wrap=True)
     for row in report.cache_rows:
         caches.add_row(
-            row.layout,
+            _SHORT_LAYOUTS.get(row.layout, row.layout),
             str(row.num_kv_heads),
+            str(row.batch),
+            row.cache_dtype,
+            str(row.context),
             f"{row.bytes_per_token:,}",
             f"{row.cached_s * 1e3:.3f}",
             f"{row.read_bytes_per_s / 1e9:.1f}",
             f"{row.floor_s * 1e3:.3f}",
-            f"{row.cached_s / row.floor_s:.2f}",
+            f"{row.over_floor:.2f}",
         )
     console.print(caches)
 
