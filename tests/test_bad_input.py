@@ -265,6 +265,15 @@ def world1() -> None:
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _destroy_the_group_after_the_file():
+    """world1's group must not outlive this file: later tests (the README's and docs'
+    scale-out examples) initialise their own."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shard(**kwargs):
     world1()
     return shard_sequence(**kwargs)
