@@ -834,7 +834,9 @@ def _attributes(obj: object) -> list:
     return [(k, v) for k, v in sorted(vars(obj).items()) if isinstance(v, plain)]
 
 
-@pytest.mark.parametrize(("fn", "good", "argument", "make", "expect", "reference", "name"), _rows())
+@pytest.mark.parametrize(
+    ("fn", "good", "argument", "make", "expect", "reference", "name"), list(_rows())
+)
 def test_bad_input(fn, good, argument, make, expect, reference, name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # save/load rows write nowhere else
     kwargs = good()
