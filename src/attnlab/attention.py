@@ -252,7 +252,8 @@ class MultiHeadAttention(nn.Module):
             return decode_cpu.step(self, x, cache, start)  # one native call, same result
         q, k, v = self._project(x, context)
         if self.rope is not None and context is None:
-            q, k = self.rope(q, start), self.rope(k, start)  # (b, h|hkv, tq, hd)
+            # positions checked by _start_position: the tables' checks are not repeated
+            q, k = self.rope.rotate(q, start), self.rope.rotate(k, start)  # (b, h|hkv, tq, hd)
         key_positions = None
         if cache is not None:
             k, v, key_positions = cache.append(k, v)  # (b, hkv, tk, hd): every token held

@@ -106,6 +106,20 @@ class RotaryEmbedding(nn.Module):
                 f"the rotary tables (0..{self.max_positions - 1}, max_positions "
                 f"{self.max_positions})"
             )
+        return self.rotate(x, start)
+
+    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """forward() for a caller that checked x and start itself (MultiHeadAttention checks
+        its whole call, positions included, before any of it runs).
+
+        Args:
+            x: (b, heads, t, head_dim) on the tables' device, start + t <= max_positions.
+            start: the position of x's first token.
+
+        Returns:
+            x rotated, in x's dtype.
+        """
+        end = start + x.shape[-2]
         return _rotate(x, self.cos[start:end], self.sin[start:end])
 
 
