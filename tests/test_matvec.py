@@ -1,4 +1,4 @@
-"""attnlab.projection.project: the blocked matrix product for a few rows equals the layer's
+"""attnlab.matvec.project: the blocked matrix product for a few rows equals the layer's
 own forward, values and gradients, and steps aside for layers it must not bypass."""
 
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab.projection import project
+from attnlab.matvec import project
 
 
 @given(

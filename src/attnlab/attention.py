@@ -26,7 +26,7 @@ from attnlab._validate import (
     check_tensor,
 )
 from attnlab.kv_cache import KVCache
-from attnlab.projection import project
+from attnlab.matvec import project
 from attnlab.rope import RotaryEmbedding, check_base
 
 _CACHED_MASK = "(batch, heads, queries, positions so far)"

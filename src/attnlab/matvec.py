@@ -1,4 +1,4 @@
-"""Linear projections for decoding: a few rows through a large weight on the CPU.
+"""Matrix-vector products for decoding: a few rows through a large weight on the CPU.
 
 Producing one token multiplies a vector by each projection weight, which is bound by reading
 the weight from memory. MKL's matrix-vector path reads an (out, in) weight at about half the

@@ -21,7 +21,7 @@ from rich.progress import Progress
 from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
 from attnlab.bench.memory import MemoryReport, memory_steps, run_memory
-from attnlab.bench.report import (
+from attnlab.bench.printing import (
     plot_compare,
     print_compare,
     print_decode,
@@ -166,7 +166,7 @@ def parallel_command(
 ) -> ParallelReport:
     """`attnlab bench --parallel N`: one process, then N, print the table, write JSON."""
     from attnlab.bench.parallel import run_parallel
-    from attnlab.bench.report import print_parallel
+    from attnlab.bench.printing import print_parallel
 
     console = console or Console()
     with console.status(f"ring attention, {tokens} tokens, 1 then {world} processes"):

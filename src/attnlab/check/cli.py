@@ -120,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
         0, 1 or 3 (see exit_status); a usage error exits 2 through the parser.
     """
     from attnlab.check.loader import LoadError, parse_init, parse_target
+    from attnlab.check.printing import print_report
     from attnlab.check.report import NOTE, exit_status
     from attnlab.check.supervisor import UsageError, supervise
-    from attnlab.check.text import print_report
 
     parser = args.check_parser
     try:

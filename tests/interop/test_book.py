@@ -1,0 +1,61 @@
+"""attnlab.interop.book: the book's MultiHeadAttention converted both ways, configuration
+and outputs kept; what the book's class cannot hold is refused by name."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from attnlab import MultiHeadAttention, book, interop
+
+
+def test_from_book_keeps_configuration_and_outputs():
+    torch.manual_seed(4)
+    oracle = book.MultiHeadAttention(3, 4, 6, 0.25, 2, qkv_bias=True).eval()
+    ours = interop.from_book(oracle).eval()
+    assert (ours.d_in, ours.d_out, ours.context_length, ours.dropout, ours.num_heads) == (
+        3,
+        4,
+        6,
+        0.25,
+        2,
+    )
+    x = book.example_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), oracle(x), rtol=1e-5, atol=1e-6)
+
+
+@given(
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_to_book_gives_the_same_outputs_and_round_trips(num_kv_heads, bias, seed):
+    """to_book is from_book's inverse: the book's class (grouped-query heads repeated)
+    gives the production module's outputs, and from_book of it gives them again."""
+    torch.manual_seed(seed)
+    ours = MultiHeadAttention(6, 8, 10, 0.0, 4, qkv_bias=bias, num_kv_heads=num_kv_heads).eval()
+    theirs = interop.to_book(ours).eval()
+    assert isinstance(theirs, book.MultiHeadAttention)
+    x = torch.randn(2, 7, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x), ours(x), atol=1e-6, rtol=1e-5)
+        back = interop.from_book(theirs).eval()
+        torch.testing.assert_close(back(x), ours(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (dict(causal=False), "causal=False"),
+        (dict(rope=True), "rope=True"),
+        (dict(window=3), "window=3"),
+        (dict(context_dim=5), "context_dim=5 != d_in=6"),
+    ],
+)
+def test_to_book_refuses_what_the_book_cannot_hold(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        interop.to_book(MultiHeadAttention(6, 8, 10, 0.0, 4, **kwargs))
+    with pytest.raises(TypeError, match=r"m must be an attnlab\.MultiHeadAttention"):
+        interop.to_book(nn.Linear(2, 2))
