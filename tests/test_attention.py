@@ -365,7 +365,7 @@ def test_the_flash_backend_runs_a_window(window):
             TypeError,
             "dtype must be a floating-point dtype, got torch.int64",
         ),
-        (dict(dtype="float16"), TypeError, "dtype must be a torch.dtype or None, got str"),
+        (dict(dtype="float16"), TypeError, "dtype must be a torch.dtype, got str"),
         (dict(device="cpux"), ValueError, "device 'cpux' is not a device torch knows"),
         (dict(device=1.5), TypeError, "device must be a torch.device, str or None, got float"),
         (dict(rope_base=float("inf")), ValueError, "rope_base"),  # checked while rope is off

@@ -264,3 +264,28 @@ def check_float_dtype(name: str, dtype: object) -> torch.dtype:
     if not dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating-point dtype, got {dtype}")
     return dtype
+
+
+def check_device(name: str, device: object) -> torch.device | None:
+    """Return `device` as a torch.device (None stays None: torch's default).
+
+    Args:
+        name: the argument's name, for the message.
+        device: a torch.device, a str such as "cpu" or "cuda:0", an int (a CUDA index), or
+            None.
+
+    Returns:
+        The torch.device, or None.
+
+    Raises:
+        TypeError: another type (bool refused).
+        ValueError: a string torch does not know as a device.
+    """
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"{name} must be a torch.device, str or None, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{name} {device!r} is not a device torch knows: {error}") from None

@@ -18,9 +18,11 @@ from torch import nn
 from attnlab import decode_cpu, functional, masks, qkv
 from attnlab._validate import (
     check_bool,
+    check_device,
     check_divides,
     check_dropout,
     check_finite,
+    check_float_dtype,
     check_int,
     check_like_parameter,
     check_tensor,
@@ -71,7 +73,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        factory = {"device": _check_device(device), "dtype": _check_dtype(dtype)}
+        dtype = None if dtype is None else check_float_dtype("dtype", dtype)
+        factory = {"device": check_device("device", device), "dtype": dtype}
         self.d_in = check_int("d_in", d_in)
         self.d_out = check_int("d_out", d_out)
         self.context_length = check_int("context_length", context_length)
@@ -449,29 +452,6 @@ class MultiHeadAttention(nn.Module):
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"{name} has batch size {x.shape[0]} but x has {batch}")
         return x
-
-
-def _check_device(device: object) -> torch.device | None:
-    """`device` as a torch.device (None stays None: torch's default)."""
-    if device is None or isinstance(device, torch.device):
-        return device
-    if not isinstance(device, (str, int)) or isinstance(device, bool):
-        raise TypeError(f"device must be a torch.device, str or None, got {type(device).__name__}")
-    try:
-        return torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"device {device!r} is not a device torch knows: {error}") from None
-
-
-def _check_dtype(dtype: object) -> torch.dtype | None:
-    """`dtype` if it is a floating-point torch.dtype (or None: torch's default)."""
-    if dtype is None:
-        return None
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
-    if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
-    return dtype
 
 
 def _keys_at(mask: torch.Tensor | None, key_positions: torch.Tensor) -> torch.Tensor | None:

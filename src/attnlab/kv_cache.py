@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from attnlab._validate import check_int
+from attnlab._validate import check_device, check_int
 
 _COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
 
@@ -56,7 +56,7 @@ class KVCache:
         self.window = None if window is None else check_int("window", window)
         self.capacity = self.max_tokens if window is None else min(self.window, self.max_tokens)
         dtype = _check_storage_dtype(dtype)
-        device = _check_device(device)
+        device = check_device("device", device)
         shape = (batch_size, num_kv_heads, head_dim, self.capacity)  # tokens last
         self._keys_t = torch.zeros(shape, dtype=dtype, device=device)  # (b, hkv, hd, capacity)
         self._values_t = torch.zeros(shape, dtype=dtype, device=device)
@@ -410,18 +410,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
     quantized = torch.round(x32 / divisor).clamp_(-127, 127).to(torch.int8)
     return quantized, scales
-
-
-def _check_device(device: object) -> torch.device | None:
-    """`device` as a torch.device (None stays None: torch's default)."""
-    if device is None or isinstance(device, torch.device):
-        return device
-    if not isinstance(device, (str, int)) or isinstance(device, bool):
-        raise TypeError(f"device must be a torch.device, str or None, got {type(device).__name__}")
-    try:
-        return torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"device {device!r} is not a device torch knows: {error}") from None
 
 
 def _check_storage_dtype(dtype: object) -> torch.dtype | None:
