@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from attnlab import __version__, functional
+from attnlab._memory import available_bytes
 from attnlab._validate import check_bool, check_dropout, check_int
 from attnlab.attention import MultiHeadAttention
 from attnlab.rope import check_base
@@ -311,18 +312,9 @@ def _plain_numbers(config: Mapping) -> dict:
 
 
 def _available_bytes() -> int | None:
-    """Memory the machine can give now (Linux MemAvailable, else free pages), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
+    """Memory the machine can give now (attnlab._memory), looked up here so tests can
+    patch it for this module alone."""
+    return available_bytes()
 
 
 def _check_rope_memory(where: str, config: Mapping) -> None:

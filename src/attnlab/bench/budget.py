@@ -20,8 +20,9 @@ Models (b batch, t tokens, d model width, h heads, s bytes per element, L layers
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from attnlab import _memory
 
 PROCESS_BYTES = 200 * 2**20  # a spawned Python process with torch imported, at the least
 SCORE_ITEMSIZE = 4  # the materialising peers hold float32 scores
@@ -75,32 +76,4 @@ def parallel_bytes(world: int, tokens: int, *, d_model: int, itemsize: int) -> i
     return whole + world * PROCESS_BYTES + whole
 
 
-def available_bytes() -> int | None:
-    """Memory the machine can give now: psutil's `available` if psutil is installed, else
-    /proc/meminfo's MemAvailable, else the free physical pages from os.sysconf; None when
-    none of them can be read."""
-    try:
-        import psutil
-    except ImportError:
-        pass
-    else:
-        return int(psutil.virtual_memory().available)
-    meminfo = _meminfo_available()
-    if meminfo is not None:
-        return meminfo
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _meminfo_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (Linux), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts in kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+available_bytes = _memory.available_bytes  # the one reading, owned by attnlab._memory
