@@ -8,6 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
+from attnlab._arguments import positive_int
 from attnlab.bench import budget
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -79,17 +80,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also draw the comparison as a PNG chart")
     return bench
-
-
-def positive_int(text: str) -> int:
-    """'8' -> 8, for argparse; at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def positive_ints(text: str) -> list[int]:

@@ -9,6 +9,8 @@ import argparse
 import json
 import math
 
+from attnlab._arguments import positive_int
+
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -51,11 +53,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "(batch, tokens, vocab) out (default: detected from the input it accepts)",
     )
     check.add_argument(
-        "--d-in", type=_positive_int, metavar="N", help="input width (default: --init, found)"
+        "--d-in", type=positive_int, metavar="N", help="input width (default: --init, found)"
     )
     check.add_argument(
         "--context-length",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="longest input (default: --init, then the module's context_length, block_size, "
         "n_positions or max_position_embeddings)",
@@ -74,17 +76,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(check_parser=check)
     return check
-
-
-def _positive_int(text: str) -> int:
-    """'8' -> 8, for argparse; at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _positive_float(text: str) -> float:
