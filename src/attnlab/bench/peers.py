@@ -22,6 +22,7 @@ from torch import nn
 
 from attnlab import book, functional
 from attnlab.attention import MultiHeadAttention
+from attnlab.qkv import QKVWeights
 
 SCORE_ITEMSIZE = 4  # a (t x t) score tensor is float32: the math backend's softmax is
 
@@ -142,8 +143,8 @@ def _attnlab(backend: str) -> Callable[[Shape, Weights], nn.Module]:
             device=shape.device,
             dtype=shape.dtype,
         )
+        module.load_qkv_weights(QKVWeights(weights.query, weights.key, weights.value))
         with torch.no_grad():
-            module.qkv_proj.weight.copy_(weights.qkv)
             module.out_proj.weight.copy_(weights.out)
             module.out_proj.bias.copy_(weights.out_bias)
         return module

@@ -33,6 +33,7 @@ from attnlab.check import causes as source
 from attnlab.check.probe import Probe
 from attnlab.check.properties import tolerances
 from attnlab.check.report import PropertyResult, failed, passed, skipped
+from attnlab.heads import repeat_kv
 
 NAME, TITLE = "reference", "equals the reference computation with the same weights"
 BUGS = {
@@ -257,7 +258,7 @@ def _attend(x, p: Projections, causal: bool, variant: str, window: int | None) -
     q = _heads(q, p.num_heads, variant)  # (b, h, t, hd)
     k, v = _heads(k, p.num_kv_heads, variant), _heads(v, p.num_kv_heads, variant)  # (b, g, t, .)
     groups = p.num_heads // p.num_kv_heads
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, t, .)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (b, h, t, .)
     scale = {
         "no_scale": 1.0,
         "scale_d_out": (head_dim * p.num_heads) ** -0.5,
@@ -612,8 +613,11 @@ def _attnlab_layout(module) -> tuple[list[Layout], bool, str]:
             False,
             "attnlab module with rope, a window or cross-attention: not in the layouts",
         )
-    fused = _layer("qkv_proj", module.qkv_proj.weight, module.qkv_proj.bias)
-    q, k, v = _split(fused, (module.d_out, module.kv_dim, module.kv_dim))
+    w = module.qkv_weights()  # attnlab's own accessor: the fused layout is known there
+    q, k, v = (
+        _layer(f"qkv_proj[{role}]", weight, bias)
+        for role, weight, bias in zip(("query", "key", "value"), w.weights, w.biases, strict=True)
+    )
     out = _layer("out_proj", module.out_proj.weight, module.out_proj.bias)
     groups = [Projections(q, k, v, module.num_heads, module.num_kv_heads)]
     return [Layout(groups, out, f"attnlab qkv_proj, {module.num_heads} heads")], True, "attnlab"

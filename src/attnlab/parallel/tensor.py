@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from attnlab import qkv
 from attnlab.attention import MultiHeadAttention
 
 
@@ -80,9 +81,9 @@ def _regroup_qkv_rows(module: MultiHeadAttention, world: int) -> None:
         for tensor in (module.qkv_proj.weight, module.qkv_proj.bias):
             if tensor is None:
                 continue
-            q, k, v = tensor.split([module.d_out, module.kv_dim, module.kv_dim])
+            q, k, v = qkv.split_rows(tensor, module.d_out, module.kv_dim)
             shards = [
                 torch.cat([q.split(q_rows)[r], k.split(kv_rows)[r], v.split(kv_rows)[r]])
                 for r in range(world)
             ]
-            tensor.copy_(torch.cat(shards))
+            tensor.copy_(qkv.fuse_rows(*shards))
