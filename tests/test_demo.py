@@ -71,17 +71,17 @@ def test_multi_head_outputs_match_the_seeds(steps):
 def test_equalities_the_demo_claims_hold(steps):
     for title, name in [
         ("Exercise 3.1: v2's weights in a v1", "max |v1 - v2| after copying"),
-        ("Way 3: seed 003's additive mask M", "max |way 1 - way 2|"),
-        ("Way 3: seed 003's additive mask M", "max |way 3 - way 2|"),
+        ("Way 3: the blog post's additive mask M", "max |way 1 - way 2|"),
+        ("Way 3: the blog post's additive mask M", "max |way 3 - way 2|"),
         ("PyTorch's nn.MultiheadAttention, head by head", "max |per-head layer - torch|"),
     ]:
         assert value(steps, title, name) < 1e-6
 
 
 def test_steps_follow_the_chapter_order(steps):
-    sections = [s.section for s in steps if s.section != "seed 003"]
+    sections = [s.section for s in steps if s.section != "blog post"]
     assert sections == sorted(sections, key=lambda s: [int(p) for p in s.split(".")])
-    assert steps[-1].section == "seed 003"
+    assert steps[-1].section == "blog post"
 
 
 def test_demo_leaves_the_callers_random_state_alone():

@@ -38,19 +38,43 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention a GPT-like model can use as is; equal to the book's
     MultiHeadAttention given the same weights, and able to load its state_dict unchanged.
 
-    num_kv_heads (default num_heads) key/value heads are shared by groups of query heads
-    (grouped-query; 1 is multi-query). causal masks each query's future in self-attention.
-    context_dim (default d_in) is the width of the `context` that cross-attention reads its
-    keys and values from; a module whose context_dim differs from d_in is cross-attention
-    only. rope rotates queries and keys by their absolute positions (RotaryEmbedding, base
-    rope_base; self-attention only). window limits each query to the `window` most recent
-    keys, itself included (causal only). backend picks attnlab.functional's kernel ("auto",
-    "math", "sdpa" or "flash"). device and dtype place the parameters, as for torch's own
-    modules.
-
     Parameters: when the keys and values are computed from inputs of width d_in, one fused
     `qkv_proj` (d_in -> d_out + 2 * kv_dim, rows in query, key, value order); otherwise
     `q_proj` (d_in -> d_out) and `kv_proj` (context_dim -> 2 * kv_dim). Then `out_proj`.
+    Read and write the query/key/value weights with qkv_weights() / load_qkv_weights().
+
+    Args:
+        d_in: input width (an int >= 1).
+        d_out: output width, split over the heads; num_heads must divide it.
+        context_length: the longest sequence (positions) the module takes.
+        dropout: dropout on the attention weights in training, in [0, 1).
+        num_heads: query heads.
+        qkv_bias: biases on the query/key/value projections (the output one always has).
+        num_kv_heads: key/value heads (default num_heads), shared by groups of query heads
+            (grouped-query; 1 is multi-query); must divide num_heads.
+        causal: mask each query's future in self-attention.
+        context_dim: width of the `context` cross-attention reads its keys and values from
+            (default d_in); a module whose context_dim differs from d_in is cross-attention
+            only.
+        rope: rotate queries and keys by their absolute positions (self-attention only;
+            needs an even head_dim).
+        rope_base: the rotary base (finite, > 1), checked and kept even while rope is off.
+        window: each query sees only the `window` most recent keys, itself included
+            (causal only).
+        backend: attnlab.functional's kernel: "auto", "math", "sdpa" or "flash".
+        device: where the parameters go, as for torch's own modules.
+        dtype: the parameters' floating-point dtype.
+
+    Raises:
+        TypeError: an argument of the wrong type (a bool for a size, a string flag, a
+            non-floating dtype).
+        ValueError: a value out of range, or arguments that do not fit together (the message
+            names them, e.g. "num_heads (3) must divide d_out (8)").
+
+    Example:
+        >>> m = MultiHeadAttention(64, 64, 128, 0.0, num_heads=8, num_kv_heads=2)
+        >>> m(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
 
     def __init__(
@@ -118,6 +142,7 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def head_dim(self) -> int:
+        """Features per head: d_out / num_heads."""
         return self.d_out // self.num_heads
 
     @property
@@ -211,15 +236,31 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """(b, tq, d_in) -> (b, tq, d_out); with need_weights, also each head's attention
-        weights (b, h, tq, tk), computed only then.
+        """Attend: (b, tq, d_in) -> (b, tq, d_out).
 
-        context (b, tk, context_dim): cross-attention, keys and values from it, never causal
-        (its tokens have no order relative to x's). cache (from make_cache): x holds the next
-        tokens of the sequences, whose keys and values are appended; they attend causally to
-        every token held. mask: bool, True where a query may attend (attnlab.masks), or
-        additive float, broadcastable to (b, h, tq, tk); with a cache its keys axis covers
-        every position so far (cache.position + tq). A query with no key left gets zeros.
+        Args:
+            x: (b, tq, d_in), in the parameters' dtype and device, finite.
+            context: (b, tk, context_dim) for cross-attention: keys and values from it,
+                never causal (its tokens have no order relative to x's).
+            mask: bool, True where a query may attend (attnlab.masks), or additive float
+                (finite, -inf where it may not), broadcastable to (b, h, tq, tk); with a
+                cache its keys axis covers every position so far (cache.position + tq).
+            need_weights: also return each head's attention weights (computed only then).
+            cache: a KVCache from make_cache: x holds the next tokens of the sequences,
+                whose keys and values are appended; they attend causally to every token
+                held. The call is all or nothing: one that raises leaves the cache as it was.
+
+        Returns:
+            The output (b, tq, d_out), or (output, weights (b, h, tq, tk)) with
+            need_weights: with a cache, tk is every position so far, in position order. A
+            query with no key left gets zeros.
+
+        Raises:
+            TypeError: a non-tensor, a non-bool need_weights, a dtype other than the
+                parameters', a cache that is not a KVCache.
+            ValueError: shapes, devices, positions past context_length, a full cache, a
+                non-finite input, a mask that does not fit, or a backend that cannot run
+                the call (the message says which).
         """
         x = self._check_input("x", x, self.d_in, batch=None)
         check_bool("need_weights", need_weights)

@@ -248,7 +248,7 @@ def _causal() -> list[Step]:
         ),
         Step(
             "3.5.1",
-            "Way 3: seed 003's additive mask M",
+            "Way 3: the blog post's additive mask M",
             "Add M (0 on and below the diagonal, -inf above) to the scores: the same again.",
             {
                 "M": book.additive_causal_mask(6),
@@ -363,7 +363,7 @@ def _per_head() -> list[Step]:
     layer = book.MultiHeadSelfAttention.from_torch(torch_mha)
     return [
         Step(
-            "seed 003",
+            "blog post",
             "PyTorch's nn.MultiheadAttention, head by head",
             "Its packed (3E, E) projection split into per-head matrices recomputes its output.",
             {"max |per-head layer - torch|": (layer(x, attn_mask=mask) - expected).abs().max()},

@@ -36,7 +36,27 @@ _COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower tha
 
 class KVCache:
     """Preallocated key/value buffers for `batch_size` sequences of up to `max_tokens`
-    tokens, or, with `window`, a rolling buffer of the `window` most recent tokens."""
+    tokens, or, with `window`, a rolling buffer of the `window` most recent tokens.
+
+    MultiHeadAttention.make_cache builds one for a module; the accessors named for native
+    kernels (keys_t, values_t, scales, native_slots, accepts, compressed, records_grad)
+    expose the stored layout to attnlab's decode step.
+
+    Args:
+        batch_size: sequences held (an int >= 1).
+        max_tokens: positions each sequence may reach (without a window).
+        num_kv_heads: key/value heads.
+        head_dim: features per head.
+        dtype: the storage dtype: the module's, or narrower (bfloat16/float16, or int8
+            with per-token, per-head scales); default torch's.
+        device: where the buffers go.
+        window: keep only the `window` most recent tokens (a rolling buffer).
+
+    Raises:
+        TypeError: a size that is not an int, a dtype that is neither floating point nor
+            int8.
+        ValueError: a size < 1, or a device torch does not know.
+    """
 
     def __init__(
         self,
