@@ -70,3 +70,16 @@ def test_a_mask_that_is_not_causal_and_padding_is_not_taken_for_one():
     assert padded.key_ranges(full, causal=False) is None  # not causal at all
     starts, ends = padded.key_ranges(full, causal=True)
     assert starts.tolist() == [0] and ends.tolist() == [tokens]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_mask_without_a_batch_dimension_serves_every_sequence(causal):
+    """A causal (t, t) mask, or a (1, 1, 1, t) padding mask, for a batch of 3: one range
+    for all (it once reached the kernel with one range for three sequences)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(3, 2, 40, 8, generator=g) for _ in range(3))
+    keep = torch.arange(40) >= 5
+    for mask in (masks.causal_mask(40), masks.padding_mask(keep[None])):
+        out = attention(q, k, v, mask=mask, causal=causal)
+        ref = attention(q, k, v, mask=mask, causal=causal, backend="math")
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -51,4 +51,6 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence over its keys [start, end) with attnlab's kernel,
     in one call, differentiable; rows before `start` are zero. (b, hq, t, hdv)."""
-    return flash_cpu.attention(q, k, v, None, scale, True, key_ranges=ranges)
+    batch = q.shape[0]  # a mask without a batch dimension gives one range for all
+    starts, ends = (r.expand(batch).contiguous() for r in ranges)  # (b,) each
+    return flash_cpu.attention(q, k, v, None, scale, True, key_ranges=(starts, ends))
