@@ -110,3 +110,16 @@ def test_combine_masks_takes_bool_and_additive_masks_together():
     assert torch.equal(combined, expected)
     assert torch.equal(masks.combine_masks(bias), bias)
     assert torch.equal(masks.combine_masks(causal, pad), (causal & pad).expand(2, 1, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+@pytest.mark.parametrize("window", [2, 200, 40000, 2**40, 2**70])
+def test_position_mask_is_exact_for_narrow_integer_positions_and_huge_windows(dtype, window):
+    """Positions in a narrow dtype once wrapped around (uint8: query 1 saw no key) and a
+    window past int64 raised OverflowError: the arithmetic is int64, the window clamped."""
+    positions = torch.arange(3, dtype=dtype)
+    got = masks.position_mask(positions, positions, window=window)
+    i, j = torch.arange(3)[:, None], torch.arange(3)[None, :]
+    expected = (j <= i) & (i - j < min(window, 3))  # a window of 3 or more sees every key
+    assert torch.equal(got, expected)
+    assert torch.equal(masks.sliding_window_mask(3, window=window), expected)

@@ -83,3 +83,22 @@ def test_a_mask_without_a_batch_dimension_serves_every_sequence(causal):
         out = attention(q, k, v, mask=mask, causal=causal)
         ref = attention(q, k, v, mask=mask, causal=causal, backend="math")
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.tensor(True),
+        torch.ones(1, dtype=torch.bool),
+        torch.ones(2, 1, 1, 1, dtype=torch.bool),
+        torch.tensor([True, False]).view(2, 1, 1, 1),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_mask_broadcast_over_the_keys_is_not_a_range(mask, causal):
+    """A keys axis of 1 says nothing about ranges (it once ran as 'key 0 only', 2.7 off)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 33, 8, generator=g) for _ in range(3))
+    out = attention(q, k, v, mask=mask, causal=causal)
+    ref = attention(q, k, v, mask=mask, causal=causal, backend="math")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

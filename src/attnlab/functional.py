@@ -502,9 +502,11 @@ def _padded_key_ranges(qkv, mask, causal, backend) -> tuple[torch.Tensor, torch.
     """Each sequence's real keys when the mask is causal & padding only (padded.key_ranges)
     and the kernel runs the call: square, more than a few queries, float32 CPU, and for
     "auto" only where the kernel wins (flash_cpu.preferred)."""
-    if mask is None or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.requires_grad:
+    if mask is None or mask.dtype != torch.bool or mask.shape[1] != 1:
         return None
     q, k, _ = qkv
+    if mask.shape[-1] != k.shape[2]:  # a keys axis broadcast from 1 holds no ranges
+        return None
     if q.shape[2] != k.shape[2] or q.shape[2] <= 32 or torch.compiler.is_compiling():
         return None
     head_dims = tuple(t.shape[-1] for t in qkv)

@@ -21,6 +21,14 @@ from attnlab._validate import (
     check_tensor,
 )
 
+_WIDEST_WINDOW = 2**62  # wider than any position: the same as no window, and an int64
+
+
+def _window(window: object) -> int:
+    """A checked window (an int >= 1), at most _WIDEST_WINDOW so that int64 arithmetic on
+    positions never overflows."""
+    return min(check_int("window", window), _WIDEST_WINDOW)
+
 
 def _positions(
     num_queries: int, num_keys: int | None, offset: int | None, device: torch.device | None
@@ -100,7 +108,7 @@ def sliding_window_mask(
                 [ True,  True, False],
                 [False,  True,  True]])
     """
-    window = check_int("window", window)
+    window = _window(window)
     query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
@@ -126,9 +134,9 @@ def position_mask(
     check_index_tensor("query_positions", query_positions)
     check_index_tensor("key_positions", key_positions)
     check_same_device(query_positions=query_positions, key_positions=key_positions)
-    window = None if window is None else check_int("window", window)
-    query_pos = query_positions.unsqueeze(1)  # (q, 1)
-    key_pos = key_positions.unsqueeze(0)  # (1, k)
+    window = None if window is None else _window(window)
+    query_pos = query_positions.long().unsqueeze(1)  # (q, 1): int64, no narrow wrap-around
+    key_pos = key_positions.long().unsqueeze(0)  # (1, k)
     allowed = key_pos <= query_pos
     if window is not None:
         allowed = allowed & (key_pos > query_pos - window)

@@ -208,3 +208,12 @@ def test_interop_shows_only_its_functions():
     public = {name for name in dir(interop) if not name.startswith("_")}
     assert not public & {"nn", "torch", "check_int", "masks", "MultiHeadAttention"}
     assert set(interop.__all__) <= public
+
+
+def test_to_torch_refuses_rope_and_from_torch_masks_types_a_list():
+    """torch's module has no rotary positions: converting a rope module would drop them
+    (0.13 off); a list for a mask is a wrong type, not a wrong value."""
+    with pytest.raises(ValueError, match=r"rope=True: nn\.MultiheadAttention has no rotary"):
+        interop.to_torch(MultiHeadAttention(8, 8, 16, 0.0, 2, rope=True))
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a \(batch, keys\) tensor"):
+        interop.from_torch_masks(None, [[0, 1]])

@@ -71,8 +71,9 @@ def to_torch(m: MultiHeadAttention) -> nn.MultiheadAttention:
     """nn.MultiheadAttention (batch_first=True) with the weights of `m`, giving the same
     outputs; grouped-query key/value heads are repeated for each query head they serve.
 
-    torch's module is never causal by itself: pass its attn_mask (`masks.to_torch_mask`) or
-    is_causal with a causal mask, as it requires.
+    torch's module is never causal by itself and has no window: pass its attn_mask
+    (`masks.to_torch_mask` of `masks.causal_mask`, or of `masks.sliding_window_mask` for a
+    module with a window) or is_causal with a causal mask, as it requires.
 
     Args:
         m: an attnlab.MultiHeadAttention with d_out == d_in (torch has one width).
@@ -82,10 +83,15 @@ def to_torch(m: MultiHeadAttention) -> nn.MultiheadAttention:
 
     Raises:
         TypeError: m is not an attnlab.MultiHeadAttention.
-        ValueError: d_out != d_in.
+        ValueError: d_out != d_in, or rope (torch's module has no rotary positions).
     """
     if not isinstance(m, MultiHeadAttention):
         raise TypeError(f"m must be an attnlab.MultiHeadAttention, got {type(m).__name__}")
+    if m.rope is not None:
+        raise ValueError(
+            "m has rope=True: nn.MultiheadAttention has no rotary positions, so it could not "
+            "give m's outputs"
+        )
     if m.d_out != m.d_in:
         raise ValueError(
             f"nn.MultiheadAttention has one embed_dim for input and output; m has d_in "
@@ -193,9 +199,10 @@ def _per_head(attn_mask: object, num_heads: int | None) -> object:
 
 
 def _batch_keys(name: str, mask: object) -> torch.Tensor:
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"{name} must be a (batch, keys) tensor, got {shape}")
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a (batch, keys) tensor, got {type(mask).__name__}")
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must be a (batch, keys) tensor, got {tuple(mask.shape)}")
     return mask
 
 
