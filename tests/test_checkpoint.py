@@ -411,3 +411,17 @@ def test_numpy_integers_in_the_config_are_saved_as_ints(tmp_path):
     assert config == plain
     assert {k: type(v) for k, v in config.items()} == {k: type(v) for k, v in plain.items()}
     assert attnlab.load(path).config == config
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_file_whose_weights_are_not_finite_is_refused_naming_the_tensor(tmp_path, bad):
+    """A diverged run saved with a valid checksum loaded, and every output was NaN."""
+    _, path = _saved(tmp_path)
+    with safe_open(str(path), framework="pt") as file:
+        metadata = dict(file.metadata())
+        state = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+    state["out_proj.weight"][1, 2] = bad
+    metadata["checksum"] = attnlab.checkpoint.checksum(metadata, state)  # a right checksum
+    save_file(state, str(path), metadata=metadata)
+    with pytest.raises(ValueError, match=r"tensor 'out_proj.weight' has a non-finite value"):
+        attnlab.load(path)

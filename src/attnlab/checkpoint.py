@@ -36,7 +36,7 @@ import torch
 
 from attnlab import __version__, functional
 from attnlab._memory import available_bytes
-from attnlab._validate import check_bool, check_dropout, check_int
+from attnlab._validate import check_bool, check_dropout, check_finite, check_int
 from attnlab.attention import MultiHeadAttention
 from attnlab.rope import check_base
 
@@ -425,8 +425,19 @@ def _load_safetensors(path: Path) -> MultiHeadAttention:
     _check_specs(where, module, specs)
     tensors = _read_tensors(path)
     _verify_checksum(where, metadata, tensors)
+    _check_finite_weights(where, tensors)
     _assign(module, tensors)
     return module
+
+
+def _check_finite_weights(where: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """A weight that is NaN or infinite (a diverged training run, saved) makes every output
+    NaN: refused by name, with the first bad index."""
+    for name, tensor in tensors.items():
+        try:
+            check_finite(f"tensor {name!r}", tensor)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
 
 
 def _read_header(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
