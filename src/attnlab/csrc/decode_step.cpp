@@ -39,6 +39,7 @@ constexpr int64_t kMinChunk = 512;  // keys per attention work item, at least (l
                                     // for the prefetcher: each is one head dimension's keys)
 constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
 constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
+constexpr int64_t kPrefetchRow = 256;  // tokens of a cache row prefetched ahead
 constexpr int64_t kTileScores = 4096;  // scores per key tile (16 KiB, in L1 with its keys)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -65,16 +66,91 @@ float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory.
+// Horizontal sum of a vector's lanes.
+inline float lane_sum(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float total = 0.0f;
+  for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
+  return total;
+}
+
+// y[r, j..j+4) = x[r] . w[j..j+4) for rows r0 and r0 + 1 (`two`): four weight rows read
+// side by side against two rows of x, eight sums in registers (a weight or x load per 1.3
+// multiply-adds; one row of x against one weight row is two loads per multiply-add).
+template <bool two>
+void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float* sums) {
+  const int64_t n = Vec::size();
+  const float* w0 = w;
+  const float* w1 = w + in;
+  const float* w2 = w + 2 * in;
+  const float* w3 = w + 3 * in;
+  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
+  int64_t i = 0;
+  for (; i + n <= in; i += n) {
+    const Vec v0 = Vec::loadu(w0 + i), v1 = Vec::loadu(w1 + i), v2 = Vec::loadu(w2 + i),
+              v3 = Vec::loadu(w3 + i);
+    const Vec xa = Vec::loadu(x0 + i);
+    a0 = at::vec::fmadd(xa, v0, a0);
+    a1 = at::vec::fmadd(xa, v1, a1);
+    a2 = at::vec::fmadd(xa, v2, a2);
+    a3 = at::vec::fmadd(xa, v3, a3);
+    if (two) {
+      const Vec xb = Vec::loadu(x1 + i);
+      b0 = at::vec::fmadd(xb, v0, b0);
+      b1 = at::vec::fmadd(xb, v1, b1);
+      b2 = at::vec::fmadd(xb, v2, b2);
+      b3 = at::vec::fmadd(xb, v3, b3);
+    }
+  }
+  sums[0] = lane_sum(a0), sums[1] = lane_sum(a1), sums[2] = lane_sum(a2), sums[3] = lane_sum(a3);
+  if (two) {
+    sums[4] = lane_sum(b0), sums[5] = lane_sum(b1), sums[6] = lane_sum(b2), sums[7] = lane_sum(b3);
+  }
+  for (; i < in; ++i) {
+    for (int64_t k = 0; k < kRows; ++k) {
+      sums[k] += x0[i] * w[k * in + i];
+      if (two) sums[4 + k] += x1[i] * w[k * in + i];
+    }
+  }
+}
+
+// y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory,
+// in blocks of four rows that stay in L1 while every row of x (in L1 too) meets them; the next
+// block is prefetched while one is used.
 void project(const float* x, int64_t rows, int64_t in, const float* w, const float* bias,
              int64_t out, float* y) {
-  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const float* row = w + j * in;
-      const float b = bias ? bias[j] : 0.0f;
-      for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, row, in) + b;
+  const int64_t blocks = out / kRows;
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    float sums[2 * kRows];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t j = blk * kRows;
+      const float* block = w + j * in;
+#if defined(CPU_CAPABILITY_AVX2)
+      if (blk + 1 < end) {  // the next block (kRows * in floats, contiguous), 64 bytes a line
+        const char* next = reinterpret_cast<const char*>(block + kRows * in);
+        for (int64_t off = 0; off < kRows * in * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+#endif
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) {
+        dot4x2<true>(x + r * in, x + (r + 1) * in, block, in, sums);
+        for (int64_t k = 0; k < kRows; ++k) {
+          const float b = bias ? bias[j + k] : 0.0f;
+          y[r * out + j + k] = sums[k] + b;
+          y[(r + 1) * out + j + k] = sums[kRows + k] + b;
+        }
+      }
+      if (r < rows) {
+        dot4x2<false>(x + r * in, nullptr, block, in, sums);
+        for (int64_t k = 0; k < kRows; ++k) y[r * out + j + k] = sums[k] + (bias ? bias[j + k] : 0.0f);
+      }
     }
   });
+  for (int64_t j = blocks * kRows; j < out; ++j) {  // the last rows, fewer than a block
+    const float b = bias ? bias[j] : 0.0f;
+    for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, w + j * in, in) + b;
+  }
 }
 
 // x <- x * cos + rotate_half(x) * sin, one head of hd features.
@@ -225,6 +301,20 @@ float exp_sum(float* row, int64_t n, float row_max) {
   return sum;
 }
 
+// Prefetches the first `n` tokens (at most kPrefetchRow) of cache row `row`: rows are a head
+// dimension's keys or values, capacity apart, each on its own pages, too short at short
+// contexts for the hardware prefetcher (each would otherwise cost a miss's full latency).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const int64_t bytes = std::min(n, kPrefetchRow) * static_cast<int64_t>(sizeof(T));
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+#else
+  (void)row, (void)n;
+#endif
+}
+
 struct Attend {
   const float* qkv;  // (b, d_qkv): queries (rotated) then keys then values
   int64_t d_qkv, heads, kv_heads, hd, cap, first, count, chunk, chunks;
@@ -233,14 +323,28 @@ struct Attend {
 
   // One (sequence, key/value head, chunk of keys) for the `groups` query heads sharing it.
   template <typename T>
-  void item(int64_t index, const T* keys_t, const T* values_t, const float* key_scales,
-            const float* value_scales, std::vector<float>& scores, std::vector<float>& tmp) const {
+  void item(int64_t index, T* keys_t, T* values_t, float* key_scales, float* value_scales,
+            int64_t slot, std::vector<float>& scores, std::vector<float>& tmp) const {
     const int64_t c = index % chunks, g = (index / chunks) % kv_heads, b = index / (chunks * kv_heads);
     const int64_t groups = heads / kv_heads;
     const int64_t t0 = first + c * chunk, n = std::min(chunk, first + count - t0);
     const int64_t head = (b * kv_heads + g);
+    if (slot >= t0 && slot < t0 + n) {  // this chunk holds the new token's slot: store it first
+      const float* row = qkv + b * d_qkv + heads * hd + g * hd;  // its key, then kv_dim on its value
+      store(row, keys_t + head * hd * cap, key_scales ? key_scales + head * cap : nullptr, hd, cap,
+            slot);
+      store(row + kv_heads * hd, values_t + head * hd * cap,
+            value_scales ? value_scales + head * cap : nullptr, hd, cap, slot);
+    }
     const T* k_base = keys_t + head * hd * cap + t0;
     const T* v_base = values_t + head * hd * cap + t0;
+    // row dd of the item: keys' head dimensions 0..hd-1, then values'
+    auto row_at = [&](int64_t dd) { return dd < hd ? k_base + dd * cap : v_base + (dd - hd) * cap; };
+    auto prefetch_block = [&](int64_t dd, int64_t u, int64_t m) {  // kRows rows from dd
+      for (int64_t r = dd; r < std::min(dd + kRows, 2 * hd); ++r) prefetch_row(row_at(r) + u, m);
+    };
+    prefetch_block(0, 0, n);
+    prefetch_block(kRows, 0, n);
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
     std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
     // scores[i, t] += q[i, d] * k[d, t], in tiles of keys whose scores stay in L1
@@ -248,6 +352,7 @@ struct Attend {
     for (int64_t u = 0; u < n; u += tile) {
       const int64_t m = std::min(tile, n - u);
       for (int64_t d = 0; d < hd; d += kRows) {
+        prefetch_block(d + 2 * kRows, u, m);  // two blocks ahead (the values after the keys)
         const T* k[kRows];
         for (int64_t r = 0; r < kRows; ++r) k[r] = k_base + (d + r) * cap + u;
         if (groups == 1) {  // widened in registers as they are read
@@ -284,6 +389,7 @@ struct Attend {
     for (int64_t u = 0; u < n; u += tile) {  // out[i, d] = sum_t p[i, t] v[d, t], by tiles
       const int64_t m = std::min(tile, n - u);
       for (int64_t d = 0; d < hd; d += kRows) {
+        prefetch_block(hd + d + 2 * kRows, u, m);
         const T* v[kRows];
         for (int64_t r = 0; r < kRows; ++r) v[r] = v_base + (d + r) * cap + u;
         float* out = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2) + d;
@@ -332,7 +438,8 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   float* ks = key_scales.numel() ? key_scales.data_ptr<float>() : nullptr;
   float* vs = value_scales.numel() ? value_scales.data_ptr<float>() : nullptr;
   const int64_t d_out = a.heads * a.hd, kv_dim = a.kv_heads * a.hd;
-  for (int64_t b = 0; b < batch; ++b) {
+  const bool stored_by_items = slot >= a.first && slot < a.first + a.count;
+  for (int64_t b = 0; b < batch && !stored_by_items; ++b) {
     for (int64_t g = 0; g < a.kv_heads; ++g) {
       const int64_t head = b * a.kv_heads + g;
       const float* row = a.qkv + b * a.d_qkv + d_out + g * a.hd;
@@ -345,7 +452,7 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, kTileScores));
     for (int64_t index = begin; index < end; ++index) {
-      a.item<T>(index, keys, values, ks, vs, scores, tmp);
+      a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1, scores, tmp);
     }
   });
   a.merge(batch, attn);
