@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,7 +80,8 @@ inline float lane_sum(const Vec& v) {
 // side by side against two rows of x, eight sums in registers (a weight or x load per 1.3
 // multiply-adds; one row of x against one weight row is two loads per multiply-add).
 template <bool two>
-void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float* sums) {
+void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float* sums,
+            const float* next) {
   const int64_t n = Vec::size();
   const float* w0 = w;
   const float* w1 = w + in;
@@ -88,6 +90,13 @@ void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float*
   Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
   int64_t i = 0;
   for (; i + n <= in; i += n) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if (next && i % 16 == 0) {  // the same line of the next block's four rows
+      for (int64_t k = 0; k < kRows; ++k) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * in + i), _MM_HINT_T0);
+      }
+    }
+#endif
     const Vec v0 = Vec::loadu(w0 + i), v1 = Vec::loadu(w1 + i), v2 = Vec::loadu(w2 + i),
               v3 = Vec::loadu(w3 + i);
     const Vec xa = Vec::loadu(x0 + i);
@@ -126,15 +135,10 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t j = blk * kRows;
       const float* block = w + j * in;
-#if defined(CPU_CAPABILITY_AVX2)
-      if (blk + 1 < end) {  // the next block (kRows * in floats, contiguous), 64 bytes a line
-        const char* next = reinterpret_cast<const char*>(block + kRows * in);
-        for (int64_t off = 0; off < kRows * in * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-      }
-#endif
+      const float* next = blk + 1 < end ? block + kRows * in : nullptr;  // prefetched
       int64_t r = 0;
       for (; r + 2 <= rows; r += 2) {
-        dot4x2<true>(x + r * in, x + (r + 1) * in, block, in, sums);
+        dot4x2<true>(x + r * in, x + (r + 1) * in, block, in, sums, r == 0 ? next : nullptr);
         for (int64_t k = 0; k < kRows; ++k) {
           const float b = bias ? bias[j + k] : 0.0f;
           y[r * out + j + k] = sums[k] + b;
@@ -142,7 +146,7 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
         }
       }
       if (r < rows) {
-        dot4x2<false>(x + r * in, nullptr, block, in, sums);
+        dot4x2<false>(x + r * in, nullptr, block, in, sums, r == 0 ? next : nullptr);
         for (int64_t k = 0; k < kRows; ++k) y[r * out + j + k] = sums[k] + (bias ? bias[j + k] : 0.0f);
       }
     }
@@ -280,6 +284,19 @@ void dot4(const float* p, const T* const* x, int64_t n, float* out) {
   }
 }
 
+// The largest of row[0..n) (a vector of running maxima: a scalar chain waits on each max).
+float max_of(const float* row, int64_t n) {
+  Vec acc(kNegInf);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(row + t));
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  float m = kNegInf;
+  for (int64_t l = 0; l < Vec::size(); ++l) m = std::max(m, lanes[l]);
+  for (; t < n; ++t) m = std::max(m, row[t]);
+  return m;
+}
+
 // row <- exp(row - max); returns the sum (ATen's vectorised exp).
 float exp_sum(float* row, int64_t n, float row_max) {
   const Vec vmax(row_max);
@@ -305,14 +322,97 @@ float exp_sum(float* row, int64_t n, float row_max) {
 // dimension's keys or values, capacity apart, each on its own pages, too short at short
 // contexts for the hardware prefetcher (each would otherwise cost a miss's full latency).
 template <typename T>
-inline void prefetch_row(const T* row, int64_t n) {
+inline void prefetch_row(const T* row, int64_t n, int64_t most = kPrefetchRow) {
 #if defined(CPU_CAPABILITY_AVX2)
-  const int64_t bytes = std::min(n, kPrefetchRow) * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes = std::min(n, most) * static_cast<int64_t>(sizeof(T));
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 #else
-  (void)row, (void)n;
+  (void)row, (void)n, (void)most;
 #endif
+}
+
+// Grouped heads (several query heads per key/value head): the cache is read once for all of
+// them with the query heads' sums in registers. Scores of G query heads for the m keys at
+// k (rows of hd features, cap apart): scores[i * n + t] = q[i] . k[:, t], 16 keys a step, each
+// key vector loaded once for the G heads (two loads and G broadcasts per 2 G multiply-adds).
+template <int G, typename T>
+void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t m,
+                    float* scores, int64_t n) {
+  constexpr int64_t w = Vec::size();
+  int64_t t = 0;
+  for (; t + 2 * w <= m; t += 2 * w) {
+    Vec a[G][2];
+    for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
+    for (int64_t d = 0; d < hd; ++d) {
+      const T* row = k + d * cap + t;
+#if defined(CPU_CAPABILITY_AVX2)
+      _mm_prefetch(reinterpret_cast<const char*>(row + 8 * w), _MM_HINT_T0);
+#endif
+      const Vec k0 = load(row), k1 = load(row + w);
+      for (int i = 0; i < G; ++i) {
+        const Vec qv(q[i * hd + d]);
+        a[i][0] = at::vec::fmadd(qv, k0, a[i][0]);
+        a[i][1] = at::vec::fmadd(qv, k1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      a[i][0].store(scores + i * n + t);
+      a[i][1].store(scores + i * n + t + w);
+    }
+  }
+  for (; t < m; ++t) {
+    for (int i = 0; i < G; ++i) {
+      float total = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) total += q[i * hd + d] * widen(k[d * cap + t]);
+      scores[i * n + t] = total;
+    }
+  }
+}
+
+// out[i * stride + d + e] += p[i] . v[d + e] for G query heads and the two value rows d, d + 1
+// (each row's vector loaded once for the G heads).
+template <int G, typename T>
+void grouped_values(const float* p, int64_t n, const T* v0, const T* v1, int64_t m, float* out,
+                    int64_t stride) {
+  constexpr int64_t w = Vec::size();
+  Vec a[G][2];
+  for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
+  int64_t t = 0;
+  for (; t + w <= m; t += w) {
+    const Vec x0 = load(v0 + t), x1 = load(v1 + t);
+    for (int i = 0; i < G; ++i) {
+      const Vec pv = Vec::loadu(p + i * n + t);
+      a[i][0] = at::vec::fmadd(pv, x0, a[i][0]);
+      a[i][1] = at::vec::fmadd(pv, x1, a[i][1]);
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    float s0 = lane_sum(a[i][0]), s1 = lane_sum(a[i][1]);
+    for (int64_t u = t; u < m; ++u) {
+      s0 += p[i * n + u] * widen(v0[u]);
+      s1 += p[i * n + u] * widen(v1[u]);
+    }
+    out[i * stride] += s0;
+    out[i * stride + 1] += s1;
+  }
+}
+
+constexpr int64_t kGroupBlock = 6;  // query heads whose sums share the registers (2 x 6 + 3)
+constexpr int64_t kGroupedKeyTile = 128;  // keys per tile: hd rows of them stay in L1
+constexpr int64_t kGroupedValueTile = 512;  // keys per tile of the values' pass
+
+// f(std::integral_constant<int, G>) for G = min(remaining, kGroupBlock).
+template <typename F>
+void with_group_block(int64_t remaining, F&& f) {
+  switch (std::min(remaining, kGroupBlock)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
 }
 
 struct Attend {
@@ -346,34 +446,51 @@ struct Attend {
     prefetch_block(0, 0, n);
     prefetch_block(kRows, 0, n);
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
-    std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
-    // scores[i, t] += q[i, d] * k[d, t], in tiles of keys whose scores stay in L1
+    // Few query heads per key/value head (and one): scores[i, t] += q[i, d] * k[d, t], in
+    // tiles of keys whose scores stay in L1, four rows of keys at a time. Many (multi-query):
+    // the query heads' sums in registers (grouped_scores).
+    const bool in_registers = groups >= kGroupBlock;
     const int64_t tile = std::max<int64_t>(64, kTileScores / groups / 16 * 16);
-    for (int64_t u = 0; u < n; u += tile) {
-      const int64_t m = std::min(tile, n - u);
-      for (int64_t d = 0; d < hd; d += kRows) {
-        prefetch_block(d + 2 * kRows, u, m);  // two blocks ahead (the values after the keys)
-        const T* k[kRows];
-        for (int64_t r = 0; r < kRows; ++r) k[r] = k_base + (d + r) * cap + u;
-        if (groups == 1) {  // widened in registers as they are read
-          axpy4(q + d, k, scores.data() + u, m);
-          continue;
+    if (!in_registers) {
+      std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
+      for (int64_t u = 0; u < n; u += tile) {
+        const int64_t m = std::min(tile, n - u);
+        for (int64_t d = 0; d < hd; d += kRows) {
+          prefetch_block(d + 2 * kRows, u, m);  // two blocks ahead (the values after the keys)
+          const T* k[kRows];
+          for (int64_t r = 0; r < kRows; ++r) k[r] = k_base + (d + r) * cap + u;
+          if (groups == 1) {  // widened in registers as they are read
+            axpy4(q + d, k, scores.data() + u, m);
+            continue;
+          }
+          const float* wide[kRows];  // widened once for the query heads sharing them
+          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(k[r], &tmp[r * m], m);
+          for (int64_t i = 0; i < groups; ++i) {
+            axpy4(q + i * hd + d, wide, scores.data() + i * n + u, m);
+          }
         }
-        const float* wide[kRows];  // widened once for the query heads sharing them
-        for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(k[r], &tmp[r * m], m);
-        for (int64_t i = 0; i < groups; ++i) axpy4(q + i * hd + d, wide, scores.data() + i * n + u, m);
+      }
+    } else {
+      for (int64_t u = 0; u < n; u += kGroupedKeyTile) {
+        const int64_t m = std::min(kGroupedKeyTile, n - u);
+        for (int64_t i = 0; i < groups; i += kGroupBlock) {
+          with_group_block(groups - i, [&](auto G) {
+            grouped_scores<decltype(G)::value>(q + i * hd, hd, k_base + u, cap, m,
+                                               scores.data() + i * n + u, n);
+          });
+        }
       }
     }
     for (int64_t i = 0; i < groups; ++i) {
       float* s = scores.data() + i * n;
-      float m = kNegInf;
+      float m;
       if (key_scales) {
         const float* ks = key_scales + head * cap + t0;
         for (int64_t t = 0; t < n; ++t) s[t] *= ks[t] * scale;
       } else {
         for (int64_t t = 0; t < n; ++t) s[t] *= scale;
       }
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      m = max_of(s, n);
       const float sum = exp_sum(s, n, m);
       if (value_scales) {  // the value scales folded into the weights
         const float* vs = value_scales + head * cap + t0;
@@ -386,21 +503,45 @@ struct Attend {
     for (int64_t i = 0; i < groups; ++i) {
       std::fill_n(partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2), hd, 0.0f);
     }
-    for (int64_t u = 0; u < n; u += tile) {  // out[i, d] = sum_t p[i, t] v[d, t], by tiles
-      const int64_t m = std::min(tile, n - u);
-      for (int64_t d = 0; d < hd; d += kRows) {
-        prefetch_block(hd + d + 2 * kRows, u, m);
-        const T* v[kRows];
-        for (int64_t r = 0; r < kRows; ++r) v[r] = v_base + (d + r) * cap + u;
-        float* out = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2) + d;
-        if (groups == 1) {
-          dot4(scores.data() + u, v, m, out);
-          continue;
+    float* out0 = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2);
+    if (!in_registers) {
+      for (int64_t u = 0; u < n; u += tile) {  // out[i, d] = sum_t p[i, t] v[d, t], by tiles
+        const int64_t m = std::min(tile, n - u);
+        for (int64_t d = 0; d < hd; d += kRows) {
+          prefetch_block(hd + d + 2 * kRows, u, m);
+          const T* v[kRows];
+          for (int64_t r = 0; r < kRows; ++r) v[r] = v_base + (d + r) * cap + u;
+          if (groups == 1) {
+            dot4(scores.data() + u, v, m, out0 + d);
+            continue;
+          }
+          const float* wide[kRows];
+          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(v[r], &tmp[r * m], m);
+          for (int64_t i = 0; i < groups; ++i) {
+            dot4(scores.data() + i * n + u, wide, m, out0 + d + i * chunks * (hd + 2));
+          }
         }
-        const float* wide[kRows];
-        for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(v[r], &tmp[r * m], m);
-        for (int64_t i = 0; i < groups; ++i) {
-          dot4(scores.data() + i * n + u, wide, m, out + i * chunks * (hd + 2));
+      }
+      return;
+    }
+    const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
+    for (int64_t u = 0; u < n; u += kGroupedValueTile) {  // out[i, d] = sum_t p[i, t] v[d, t]
+      const int64_t m = std::min(kGroupedValueTile, n - u);
+      for (int64_t d = 0; d < hd; d += 2) {
+        // the two rows four steps ahead, whole (the next tile's first rows at the end)
+        const int64_t ahead = d + 4 * 2, next_u = ahead < hd ? u : u + m;
+        if (next_u < n) {
+          const int64_t rows_u = std::min(kGroupedValueTile, n - next_u);
+          for (int64_t r = ahead % hd; r < ahead % hd + 2; ++r) {
+            prefetch_row(v_base + r * cap + next_u, rows_u, kGroupedValueTile);
+          }
+        }
+        const T* v0 = v_base + d * cap + u;
+        for (int64_t i = 0; i < groups; i += kGroupBlock) {
+          with_group_block(groups - i, [&](auto G) {
+            grouped_values<decltype(G)::value>(scores.data() + i * n + u, n, v0, v0 + cap, m,
+                                               out0 + i * stride + d, stride);
+          });
         }
       }
     }
