@@ -424,7 +424,7 @@ struct Attend {
   // One (sequence, key/value head, chunk of keys) for the `groups` query heads sharing it.
   template <typename T>
   void item(int64_t index, T* keys_t, T* values_t, float* key_scales, float* value_scales,
-            int64_t slot, std::vector<float>& scores, std::vector<float>& tmp) const {
+            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores, std::vector<float>& tmp) const {
     const int64_t c = index % chunks, g = (index / chunks) % kv_heads, b = index / (chunks * kv_heads);
     const int64_t groups = heads / kv_heads;
     const int64_t t0 = first + c * chunk, n = std::min(chunk, first + count - t0);
@@ -440,16 +440,35 @@ struct Attend {
     const T* v_base = values_t + head * hd * cap + t0;
     // row dd of the item: keys' head dimensions 0..hd-1, then values'
     auto row_at = [&](int64_t dd) { return dd < hd ? k_base + dd * cap : v_base + (dd - hd) * cap; };
+    // the item this thread takes next (`next`, or none: -1): its first rows follow this one's
+    int64_t next_n = 0;
+    const T* next_k = nullptr;
+    if (next >= 0) {
+      const int64_t nc = next % chunks, ng = (next / chunks) % kv_heads, nb = next / (chunks * kv_heads);
+      const int64_t nt0 = first + nc * chunk;
+      next_n = std::min(chunk, first + count - nt0);
+      next_k = keys_t + (nb * kv_heads + ng) * hd * cap + nt0;
+    }
     auto prefetch_block = [&](int64_t dd, int64_t u, int64_t m) {  // kRows rows from dd
-      for (int64_t r = dd; r < std::min(dd + kRows, 2 * hd); ++r) prefetch_row(row_at(r) + u, m);
+      for (int64_t r = dd; r < dd + kRows; ++r) {
+        if (r < 2 * hd) {
+          prefetch_row(row_at(r) + u, m);
+        } else if (next_k && r - 2 * hd < hd) {  // past this item's values: the next one's keys
+          prefetch_row(next_k + (r - 2 * hd) * cap, next_n);
+        }
+      }
     };
-    prefetch_block(0, 0, n);
-    prefetch_block(kRows, 0, n);
+    if (first_item) {  // the others' first rows were prefetched by the item before
+      prefetch_block(0, 0, n);
+      prefetch_block(kRows, 0, n);
+    }
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
-    // Few query heads per key/value head (and one): scores[i, t] += q[i, d] * k[d, t], in
-    // tiles of keys whose scores stay in L1, four rows of keys at a time. Many (multi-query):
-    // the query heads' sums in registers (grouped_scores).
-    const bool in_registers = groups >= kGroupBlock;
+    // One query head per key/value head, or a few with a float32 cache: scores[i, t] +=
+    // q[i, d] * k[d, t], in tiles of keys whose scores stay in L1, four rows of keys at a
+    // time. Many (multi-query), or a narrower cache (widened in registers rather than copied
+    // to float32 first): the query heads' sums in registers (grouped_scores).
+    const bool in_registers =
+        groups >= kGroupBlock || (groups > 1 && !std::is_same<T, float>::value);
     const int64_t tile = std::max<int64_t>(64, kTileScores / groups / 16 * 16);
     if (!in_registers) {
       std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
@@ -593,7 +612,8 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, kTileScores));
     for (int64_t index = begin; index < end; ++index) {
-      a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1, scores, tmp);
+      a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
+                index + 1 < end ? index + 1 : -1, index == begin, scores, tmp);
     }
   });
   a.merge(batch, attn);
