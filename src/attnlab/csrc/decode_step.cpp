@@ -81,7 +81,7 @@ inline float lane_sum(const Vec& v) {
 // multiply-adds; one row of x against one weight row is two loads per multiply-add).
 template <bool two>
 void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float* sums,
-            const float* next) {
+            const float* next, int64_t next_rows) {
   const int64_t n = Vec::size();
   const float* w0 = w;
   const float* w1 = w + in;
@@ -91,8 +91,8 @@ void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float*
   int64_t i = 0;
   for (; i + n <= in; i += n) {
 #if defined(CPU_CAPABILITY_AVX2)
-    if (next && i % 16 == 0) {  // the same line of the next block's four rows
-      for (int64_t k = 0; k < kRows; ++k) {
+    if (next && i % 16 == 0) {  // the same line of `next_rows` rows of the next block
+      for (int64_t k = 0; k < next_rows; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(next + k * in + i), _MM_HINT_T0);
       }
     }
@@ -136,9 +136,17 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
       const int64_t j = blk * kRows;
       const float* block = w + j * in;
       const float* next = blk + 1 < end ? block + kRows * in : nullptr;  // prefetched
+      // the next block's rows prefetched over the passes (one per pair of x's rows), so
+      // that reads stay in flight while the block in L1 meets every row of x
+      const int64_t passes = (rows + 1) / 2;
+      auto next_of = [&](int64_t pass) { return next ? next + pass * kRows / passes * in : nullptr; };
+      auto count_of = [&](int64_t pass) {
+        return (pass + 1) * kRows / passes - pass * kRows / passes;
+      };
       int64_t r = 0;
       for (; r + 2 <= rows; r += 2) {
-        dot4x2<true>(x + r * in, x + (r + 1) * in, block, in, sums, r == 0 ? next : nullptr);
+        dot4x2<true>(x + r * in, x + (r + 1) * in, block, in, sums, next_of(r / 2),
+                     count_of(r / 2));
         for (int64_t k = 0; k < kRows; ++k) {
           const float b = bias ? bias[j + k] : 0.0f;
           y[r * out + j + k] = sums[k] + b;
@@ -146,7 +154,7 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
         }
       }
       if (r < rows) {
-        dot4x2<false>(x + r * in, nullptr, block, in, sums, r == 0 ? next : nullptr);
+        dot4x2<false>(x + r * in, nullptr, block, in, sums, next_of(r / 2), count_of(r / 2));
         for (int64_t k = 0; k < kRows; ++k) y[r * out + j + k] = sums[k] + (bias ? bias[j + k] : 0.0f);
       }
     }
