@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from attnlab.check.properties import BATCH_MIXING_CAUSES
 from attnlab.check.report import AuditReport, PropertyResult, failed, passed, skipped, warning
 from attnlab.check.runner import Step, describe, user_code
 
@@ -368,12 +369,7 @@ def check_batch_independent(probe: ModelProbe) -> PropertyResult:
                     f"row {row}'s logits change with the rest of the batch (max |difference| "
                     f"{_gap(together[row], alone):.3g})"
                 )
-                causes = [
-                    "a reduction or softmax over the batch dimension (dim=0)",
-                    "a reshape that mixes the batch with tokens or heads",
-                    "batch statistics (BatchNorm) in eval mode",
-                ]
-                return failed(name, TITLES[name], observed, causes)
+                return failed(name, TITLES[name], observed, BATCH_MIXING_CAUSES)
     return passed(name, TITLES[name], "3 rows, each equal to its logits alone")
 
 

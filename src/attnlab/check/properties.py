@@ -247,6 +247,14 @@ _ACROSS_POSITIONS = (
 )
 
 
+# why one row's output would depend on the others: attention modules and whole models alike
+BATCH_MIXING_CAUSES = [
+    "softmax or another reduction over the batch dimension (dim=0)",
+    "a reshape or view that mixes the batch with tokens or heads",
+    "statistics over the batch (a BatchNorm) used in eval mode",
+]
+
+
 def check_batch_independent(probe: Probe, tokens: int, seed: int) -> PropertyResult:
     """Property 3: each row's output equals the output for that row alone."""
     name = "batch_independent"
@@ -261,12 +269,7 @@ def check_batch_independent(probe: Probe, tokens: int, seed: int) -> PropertyRes
                     f"row {row}'s output changes with the rest of the batch "
                     f"(max |difference| {diff.item():.3g})"
                 )
-                causes = [
-                    "softmax or another reduction over the batch dimension (dim=0)",
-                    "a reshape or view that mixes the batch with tokens or heads",
-                    "statistics over the batch (a BatchNorm) used in eval mode",
-                ]
-                return failed(name, TITLES[name], observed, causes)
+                return failed(name, TITLES[name], observed, BATCH_MIXING_CAUSES)
     return passed(name, TITLES[name], "3 rows, each equal to its output alone")
 
 
