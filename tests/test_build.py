@@ -164,3 +164,14 @@ def test_the_vectorised_build_is_x86_avx2(machine, capability, vectorised, monke
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     assert _build.vectorised() is vectorised
     assert ("-DCPU_CAPABILITY=AVX2" in _build.vector_flags()) is vectorised
+    wide = _build.vector_flags(wide=True)  # AVX-512 exactly where PyTorch runs its own
+    assert ("-DCPU_CAPABILITY=AVX512" in wide) is (vectorised and capability == "AVX512")
+    assert ("-DCPU_CAPABILITY=AVX2" in wide) is (vectorised and capability == "AVX2")
+
+
+def test_attnlab_vectors_avx2_keeps_the_avx2_build(fake_build, source, monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv(_build.VECTORS_VARIABLE, "avx2")
+    assert _build.load("attnlab_test", source, "the test kernel", "Python", wide=True) is None
+    assert "-DCPU_CAPABILITY=AVX2" in fake_build[0]["extra_cflags"]

@@ -3,12 +3,16 @@ token-by-token decoding equals the full forward on every head layout (float32: 1
 bfloat16/int8: within their storage error), the native step equals the Python path it
 replaces, and the cache contract (rollback, crop, reset, refusals) holds for every dtype."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab import KVCache, MultiHeadAttention, decode_cpu
+from attnlab import KVCache, MultiHeadAttention, _build, decode_cpu
 from attnlab.kv_cache import quantize
 
 NATIVE = decode_cpu.available()
@@ -126,19 +130,122 @@ def test_the_native_step_attends_to_the_tokens_it_stored(dtype, num_kv_heads, ro
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@st.composite
+def model_sized_steps(draw):
+    """Model-sized steps: 12 query heads, head dims up to 64 and contexts up to 1,600
+    tokens, long enough for every vector width's loops, the key chunks split over the
+    threads, and the blocks of query heads summed in registers (up to 12 at a time)."""
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        num_kv_heads=draw(st.sampled_from([12, 6, 4, 3, 2, 1])),
+        head_dim=draw(st.sampled_from([4, 12, 16, 64])),
+        held=draw(st.integers(0, 1600)),
+        batch=draw(st.integers(1, 2)),
+        window=draw(st.one_of(st.none(), st.integers(1, 900))),
+        dtype=draw(st.sampled_from(DTYPES)),
+    )
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@settings(max_examples=30, deadline=None)
+@given(model_sized_steps())
+def test_a_model_sized_native_step_equals_float64_attention_over_the_cache(c):
+    """One step appended to `held` random tokens equals attention, in float64, of its query
+    over the keys and values the cache then holds (its window's most recent ones)."""
+    torch.manual_seed(c["seed"])
+    b, hd, hkv, held, window = c["batch"], c["head_dim"], c["num_kv_heads"], c["held"], c["window"]
+    m = MultiHeadAttention(
+        16, 12 * hd, held + 1, 0.0, 12, num_kv_heads=hkv, rope=True, window=window
+    ).eval()
+    cache = m.make_cache(b, dtype=c["dtype"])
+    x = torch.randn(b, 1, 16)
+    with torch.no_grad():
+        if held:
+            cache.update(torch.randn(b, hkv, held, hd), torch.randn(b, hkv, held, hd))
+        assert decode_cpu.handles(m, x, cache)
+        got = m(x, cache=cache)
+        q = m.qkv_proj(x)[..., : m.d_out].view(b, 1, 12, hd).transpose(1, 2)  # (b, h, 1, hd)
+        q = m.rope(q, held)
+    keys, values = (s.double().repeat_interleave(12 // hkv, 1) for s in _stored(cache))
+    slots = torch.arange(held + 1) % cache.capacity
+    seen = slots[-(window or held + 1) :]  # the slots of the keys the token attends to
+    scores = q.double() @ keys[:, :, seen].transpose(-2, -1) / hd**0.5  # (b, h, 1, seen)
+    heads = (scores.softmax(-1) @ values[:, :, seen]).transpose(1, 2).reshape(b, 1, m.d_out)
+    want = heads @ m.out_proj.weight.double().T + m.out_proj.bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 def test_the_native_step_is_taken_only_where_it_applies():
     m = build(1, 4, 2)
     cache = m.make_cache(1)
     x = torch.randn(1, 1, 6)
     with torch.no_grad():
-        assert decode_cpu.handles(m, x, cache, None, False)
-        assert not decode_cpu.handles(m, x, cache, None, True)  # weights: the Python path
-        assert not decode_cpu.handles(m, torch.randn(1, 2, 6), cache, None, False)
+        assert decode_cpu.handles(m, x, cache)
+        assert not decode_cpu.handles(m, torch.randn(1, 2, 6), cache)  # a prompt
         m.backend = "math"
-        assert not decode_cpu.handles(m, x, cache, None, False)
+        assert not decode_cpu.handles(m, x, cache)
     m.backend = "auto"
-    assert not decode_cpu.handles(m, x, cache, None, False)  # autograd records the call
+    assert not decode_cpu.handles(m, x, cache)  # autograd records the call
+
+
+def _refused_calls():
+    """Calls forward refuses, each as (module, x, cache) beside the error it raises: the
+    native step's gate must let every one through to forward's checks."""
+    m = build(1, 4, 2)
+    full = m.make_cache(1, max_tokens=2)
+    full.update(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+    at_end = m.make_cache(1)
+    at_end.update(torch.zeros(1, 2, 24, 4), torch.zeros(1, 2, 24, 4))
+    x = torch.randn(1, 1, 6)
+    windowed = build(1, 4, 2, window=4)
+    return [
+        ((m, x.double(), m.make_cache(1)), TypeError),  # not the parameters' dtype
+        ((m, x.half(), m.make_cache(1)), TypeError),
+        ((m, torch.randn(2, 1, 6), m.make_cache(1)), ValueError),  # batch
+        ((m, torch.randn(1, 1, 5), m.make_cache(1)), ValueError),  # width
+        ((m, torch.randn(1, 6), m.make_cache(1)), ValueError),  # rank
+        ((m, x.numpy(), m.make_cache(1)), TypeError),
+        ((m, x, full), ValueError),  # no room
+        ((m, x, at_end), ValueError),  # past context_length
+        ((m, x, KVCache(1, 24, 4, 4)), ValueError),  # made for other heads
+        ((m, x, build(1, 4, 1).make_cache(1)), ValueError),
+        ((m, x, "a cache"), TypeError),
+        ((windowed, x, KVCache(1, 24, 2, 4, window=2)), ValueError),  # a narrower window
+        ((m, torch.full((1, 1, 6), float("nan")), m.make_cache(1)), ValueError),
+        ((m, torch.tensor([[[1.0, float("inf"), 0, 0, 0, 0]]]), m.make_cache(1)), ValueError),
+    ]
+
+
+@pytest.mark.parametrize("case", _refused_calls())
+def test_every_call_forward_refuses_is_refused_with_the_cache_unchanged(case):
+    """The native gate reads attributes only and the kernel checks x's values before it
+    writes: whatever forward refuses still gets forward's error, and the cache is left as
+    it was."""
+    (m, x, cache), error = case
+    before = None
+    if isinstance(cache, KVCache):
+        before = [t.clone() for t in cache._tensors()], cache.position
+    with torch.no_grad(), pytest.raises(error):
+        m(x, cache=cache)
+    if before is not None:
+        assert cache.position == before[1]
+        for got, kept in zip(cache._tensors(), before[0], strict=True):
+            assert torch.equal(got, kept)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+def test_strided_tokens_decode_natively_and_equal_the_full_forward():
+    """x as a model slices it, hidden[:, -1:] of a (b, t, d) tensor, is not contiguous."""
+    m = build(7, 4, 2, rope=True)
+    x = torch.randn(3, 9, 6)
+    with torch.no_grad():
+        cache = m.make_cache(3)
+        m(x[:, :8], cache=cache)
+        last = x[:, -1:]
+        assert not last.is_contiguous() and decode_cpu.handles(m, last, cache)
+        got = m(last, cache=cache)
+        torch.testing.assert_close(got, m(x)[:, -1:], rtol=1e-5, atol=1e-5)
 
 
 def test_without_the_extension_decoding_takes_the_python_path(monkeypatch):
@@ -146,7 +253,7 @@ def test_without_the_extension_decoding_takes_the_python_path(monkeypatch):
     x = torch.randn(1, 9, 6)
     monkeypatch.setattr(decode_cpu, "load_error", lambda: "turned off")
     with torch.no_grad():
-        assert not decode_cpu.handles(m, x[:, :1], m.make_cache(1), None, False)
+        assert not decode_cpu.handles(m, x[:, :1], m.make_cache(1))
         decoded, _ = decode(m, x, torch.float32)
         torch.testing.assert_close(decoded, m(x), rtol=1e-5, atol=1e-5)
 
@@ -274,3 +381,23 @@ def test_quantize_rounds_half_to_even_and_clamps():
     q, scales = quantize(x)
     assert scales.item() == 1.0
     assert q.tolist() == [[[[127, 0, 2, -2]]]]
+
+
+@pytest.mark.skipif(
+    not NATIVE or _build.vector_flags(wide=True) == _build.vector_flags(),
+    reason="this CPU's build of the decode step is the AVX2 one, tested above",
+)
+def test_the_avx2_build_passes_the_native_tests_too():
+    """On an AVX-512 CPU the step is built with 16-float vectors and 12 query heads summed in
+    registers; the AVX2 build (8 floats, 6 heads), which AVX2-only CPUs get, is built and
+    run through the native tests here as well (ATTNLAB_VECTORS=avx2)."""
+    tests = "model_sized or equals_the_python_path or attends_to_the_tokens or strided"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env={**os.environ, _build.VECTORS_VARIABLE: "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout

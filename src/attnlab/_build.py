@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 OFF_VARIABLE = "ATTNLAB_NO_EXTENSION"
+VECTORS_VARIABLE = "ATTNLAB_VECTORS"
 _HOW_TO_SKIP = f"{OFF_VARIABLE}=1 skips the build"
 _MACOS = "not built on macOS (Apple's clang has no OpenMP and Accelerate may not export sgemm_)"
 
@@ -37,16 +38,22 @@ def vectorised() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and capability in ("AVX2", "AVX512")
 
 
-def vector_flags() -> list[str]:
-    """Compiler flags for ATen's vector types on this CPU (see `vectorised`)."""
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+
+
+def vector_flags(wide: bool = False) -> list[str]:
+    """Compiler flags for ATen's vector types on this CPU (see `vectorised`): AVX2, or with
+    `wide` AVX-512 where PyTorch runs its own AVX-512 kernels on this CPU."""
+    if wide and vectorised() and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return [*AVX512_FLAGS, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if vectorised():
         return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-def cflags() -> list[str]:
-    """The compiler flags every attnlab extension is built with."""
-    return ["-O3", "-fopenmp", *vector_flags()]
+def cflags(wide: bool = False) -> list[str]:
+    """The compiler flags an attnlab extension is built with (`wide`: see vector_flags)."""
+    return ["-O3", "-fopenmp", *vector_flags(wide)]
 
 
 LDFLAGS = ["-fopenmp"]
@@ -80,7 +87,7 @@ def build_directory(name: str) -> Path:
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
-def load(base: str, source: Path, what: str, fallback: str) -> str | None:
+def load(base: str, source: Path, what: str, fallback: str, *, wide: bool = False) -> str | None:
     """Build (once per build key) and load the extension of `source` (its operators
     register themselves with torch.ops).
 
@@ -89,6 +96,8 @@ def load(base: str, source: Path, what: str, fallback: str) -> str | None:
         source: its C++ file.
         what: what it is, for the messages ("attnlab's causal kernel").
         fallback: what runs instead when it is unavailable ("PyTorch's SDPA").
+        wide: build with AVX-512 vectors where this CPU has them (vector_flags); the
+            variable ATTNLAB_VECTORS=avx2 keeps the AVX2 build (to test it).
 
     Returns:
         None once it is loaded, else the one-line reason it is not; a failure is also
@@ -96,7 +105,8 @@ def load(base: str, source: Path, what: str, fallback: str) -> str | None:
     """
     if os.environ.get(OFF_VARIABLE) == "1":
         return f"turned off by {OFF_VARIABLE}=1"
-    reason = _missing() or _build_and_load(base, source, what)
+    wide = wide and os.environ.get(VECTORS_VARIABLE) != "avx2"
+    reason = _missing() or _build_and_load(base, source, what, cflags(wide))
     if reason is not None:
         warnings.warn(
             f"{what} is unavailable: {reason}; using {fallback} ({_HOW_TO_SKIP})",
@@ -119,8 +129,7 @@ def _missing() -> str | None:
     return None
 
 
-def _build_and_load(base: str, source: Path, what: str) -> str | None:
-    flags = cflags()
+def _build_and_load(base: str, source: Path, what: str, flags: list[str]) -> str | None:
     name = extension_name(base, source, flags, LDFLAGS)
     built = build_directory(name) / f"{name}.so"
     if built.exists() and _load_library(built):

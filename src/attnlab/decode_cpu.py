@@ -14,6 +14,10 @@ built attnlab warns once and decodes with the Python path, which stays the refer
 tested against. ATTNLAB_NO_EXTENSION=1 turns it off.
 
 Shapes: x (b, 1, d_in) -> (b, 1, d_out); the cache's buffers (b, hkv, hd, capacity).
+
+MultiHeadAttention.forward calls try_step first: the step's gate (`handles`) is attribute
+reads and comparisons, and x's finiteness is checked by the kernel as it reads x, so that a
+decoded token pays little Python per layer.
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ def load_error() -> str | None:
     """None once the extension is built and loaded, else why it is not (one line, warned
     once; built on the first call, once per environment: attnlab._build)."""
     return _build.load(
-        "attnlab_decode_step", _SOURCE, "attnlab's native CPU decode step", "the Python path"
+        "attnlab_decode_step",
+        _SOURCE,
+        "attnlab's native CPU decode step",
+        "the Python path",
+        wide=True,  # AVX-512 where the CPU has it: grouped heads' scores are arithmetic-bound
     )
 
 
@@ -51,66 +59,110 @@ def available() -> bool:
     return load_error() is None
 
 
-def handles(
-    module: MultiHeadAttention,
-    x: torch.Tensor,
-    cache: KVCache,
-    mask: torch.Tensor | None,
-    need_weights: bool,
-) -> bool:
-    """True when a checked cached call can take the native step: one float32 token per
-    sequence on the CPU, backend "auto", no mask, no weights, no dropout, nothing recording
-    gradients, plain nn.Linear projections, a head_dim that is a multiple of 4 (the kernel
-    reads four of its rows side by side), a cache whose window is the module's; never
-    while torch.compile or export traces the module."""
-    if x.shape[1] != 1 or mask is not None or need_weights or module.backend != "auto":
-        return False
-    if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
-        return False
-    if x.dtype != torch.float32 or not x.is_cpu or cache.dtype not in _CACHE_DTYPES:
-        return False
-    if (module.training and module.dropout > 0) or module.head_dim % 4:
-        return False
-    if cache.rolling and cache.window != module.window:
-        return False
-    layers = _layers(module)
+def try_step(module: MultiHeadAttention, x: object, cache: object) -> torch.Tensor | None:
+    """module(x, cache=cache), with no mask, context or weights, as one native step where
+    it applies (`handles`), else None: then forward's own checks and Python path run, and
+    raise what they must (a non-finite x included: the kernel checks x before it writes).
+
+    The step is all or nothing: a non-rolling cache is written past the tokens it holds and
+    its position moves last; a rolling cache's write, which overwrites a held token, runs in
+    KVCache.transaction.
+    """
+    layers = _plan(module, x, cache)
     if layers is None:
-        return False
-    if torch.is_grad_enabled() and _records_grad(x, layers, cache):
-        return False
-    return available()
+        return None
+    start = cache.position
+    if cache.rolling:
+        with cache.transaction(1):
+            return step(module, x, cache, start, layers)
+    return step(module, x, cache, start, layers)
 
 
-def _layers(module: MultiHeadAttention) -> tuple[nn.Linear, nn.Linear] | None:
-    """The fused projection and the output projection, when both are plain nn.Linear
-    (not a subclass or wrapper) without hooks and with contiguous float32 parameters."""
+def handles(module: MultiHeadAttention, x: object, cache: object) -> bool:
+    """True when module(x, cache=cache) can take the native step: every check of
+    MultiHeadAttention.forward passes except x's finiteness (the kernel's own), and the
+    call is one float32 token per sequence on the CPU, backend "auto", no dropout, nothing
+    recording gradients, plain nn.Linear projections, a head_dim that is a multiple of 4
+    (the kernel reads four of its rows side by side), a cache of float32, bfloat16 or
+    int8 whose window is the module's; never while torch.compile or export traces."""
+    return _plan(module, x, cache) is not None
+
+
+def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, dict] | None:
+    """The projections' parameters when `handles` holds, else None (attribute reads and
+    comparisons only: a decoded token pays this per layer)."""
+    if type(x) is not torch.Tensor or type(cache) is not KVCache:
+        return None
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != module.d_in:
+        return None
+    if x.dtype != torch.float32 or not x.is_cpu or not _fits(module, cache, x.shape[0]):
+        return None
+    if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
+        return None
+    layers = _layers(module)
+    if layers is None or (torch.is_grad_enabled() and _records_grad(x, layers, cache)):
+        return None
+    return layers if available() else None
+
+
+def _fits(module: MultiHeadAttention, cache: KVCache, batch: int) -> bool:
+    """The module's settings and the cache's shape, dtype, window and room."""
+    if module.backend != "auto" or not module.causal or (module.training and module.dropout > 0):
+        return False
+    head_dim, window = module.head_dim, module.window
+    made_for = (cache.batch_size, cache.num_kv_heads, cache.head_dim)
+    if head_dim % 4 or made_for != (batch, module.num_kv_heads, head_dim):
+        return False
+    keys = cache.keys_t
+    if keys.dtype not in _CACHE_DTYPES or not keys.is_cpu:
+        return False
+    if cache.window is not None and (window is None or cache.window != window):
+        return False  # forward's error (a narrower window), or a wider one: the Python path
+    start = cache.position
+    room = cache.rolling or start < cache.capacity
+    return room and start < module.context_length
+
+
+def _layers(module: MultiHeadAttention) -> tuple[dict, dict] | None:
+    """The parameters of the fused projection and the output projection, when both are
+    plain nn.Linear (not a subclass or wrapper) without hooks and with contiguous float32
+    parameters on the CPU."""
     submodules = module._modules  # the dict itself: nn.Module.__getattr__ costs per call
     layers = (submodules.get("qkv_proj"), submodules.get("out_proj"))
     for layer in layers:
         if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
             return None
         for param in layer._parameters.values():
-            if param is not None and (param.dtype != torch.float32 or not param.is_contiguous()):
+            if param is None:
+                continue
+            if param.dtype != torch.float32 or not param.is_cpu or not param.is_contiguous():
                 return None
-    return layers
+    return layers[0]._parameters, layers[1]._parameters
 
 
-def _records_grad(x: torch.Tensor, layers, cache: KVCache) -> bool:
+def _records_grad(x: torch.Tensor, layers: tuple[dict, dict], cache: KVCache) -> bool:
     if x.requires_grad or cache.records_grad:
         return True
-    return any(p.requires_grad for layer in layers for p in layer.parameters())
+    return any(p is not None and p.requires_grad for params in layers for p in params.values())
 
 
-def step(module: MultiHeadAttention, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-    """The cached call for one token per sequence (the caller checked it and `handles`):
-    appends its keys and values at position `start` and returns the output (b, 1, d_out)."""
+def step(
+    module: MultiHeadAttention,
+    x: torch.Tensor,
+    cache: KVCache,
+    start: int,
+    layers: tuple[dict, dict],
+) -> torch.Tensor | None:
+    """The native call for one token per sequence at position `start` (`try_step` checked
+    it): appends its keys and values and returns the output (b, 1, d_out), or None, with
+    nothing written, when x holds a NaN or an infinity."""
     slot, first, count = cache.native_slots(start, module.window)
-    qkv, out = (layer._parameters for layer in _layers(module))
+    qkv, out = layers
     rope = module.rope
     cos, sin = (_EMPTY, _EMPTY) if rope is None else (rope.cos, rope.sin)
     key_scales, value_scales = cache.scales
     y = _op()(
-        x.reshape(x.shape[0], x.shape[2]).contiguous(),  # (b, d_in)
+        x if x.is_contiguous() else x.contiguous(),  # (b, 1, d_in)
         qkv["weight"],
         _or_empty(qkv["bias"]),
         out["weight"],
@@ -128,8 +180,10 @@ def step(module: MultiHeadAttention, x: torch.Tensor, cache: KVCache, start: int
         count,
         1.0 / math.sqrt(module.head_dim),
     )
+    if not y.numel():
+        return None
     cache.position = start + 1
-    return y.unsqueeze(1)  # (b, d_out) -> (b, 1, d_out)
+    return y  # (b, 1, d_out)
 
 
 @functools.cache

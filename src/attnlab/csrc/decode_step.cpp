@@ -12,7 +12,7 @@
 // Chunks are as long as the cores allow (rows of one head dimension's keys are read
 // contiguously, and short rows leave the hardware prefetcher no time to start).
 //
-// Layouts (the Python side makes its inputs conform): x (b, d_in); w_qkv (d_out + 2 kv_dim,
+// Layouts (the Python side makes its inputs conform): x (b, 1, d_in) or (b, d_in); w_qkv (d_out + 2 kv_dim,
 // d_in) with rows in query, key, value order; w_out (d_out, d_out); biases (out,) or empty;
 // cos/sin (positions, hd) or empty; keys_t/values_t (b, hkv, hd, capacity), tokens last;
 // key_scales/value_scales (b, hkv, capacity) float32 for int8 buffers, else empty. All
@@ -33,8 +33,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define ATTNLAB_X86 1  // x86 intrinsics: prefetches and widening loads
+#endif
+
 namespace {
 
+// Vec: 8 floats in an AVX2 build, 16 in an AVX-512 one (attnlab._build picks by CPU).
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMinChunk = 512;  // keys per attention work item, at least (long rows
                                     // for the prefetcher: each is one head dimension's keys)
@@ -49,9 +54,10 @@ float dot(const float* a, const float* b, int64_t n) {
   Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
   int64_t i = 0;
   for (; i + 4 * w <= n; i += 4 * w) {
-#if defined(CPU_CAPABILITY_AVX2)
-    _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch + 16), _MM_HINT_T0);
+#if defined(ATTNLAB_X86)
+    for (int64_t line = 0; line < 4 * w; line += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch + line), _MM_HINT_T0);
+    }
 #endif
     s0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s0);
     s1 = at::vec::fmadd(Vec::loadu(a + i + w), Vec::loadu(b + i + w), s1);
@@ -65,6 +71,22 @@ float dot(const float* a, const float* b, int64_t n) {
   for (int64_t l = 0; l < w; ++l) total += lanes[l];
   for (; i < n; ++i) total += a[i] * b[i];
   return total;
+}
+
+// Whether x[0..n) holds no NaN or infinity (x - x is 0 exactly for finite values).
+bool all_finite(const float* x, int64_t n) {
+  Vec acc(0.0f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec v = Vec::loadu(x + i);
+    acc = acc + (v - v);
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += x[i] - x[i];
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
+  return total == 0.0f;
 }
 
 // Horizontal sum of a vector's lanes.
@@ -90,7 +112,7 @@ void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float*
   Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
   int64_t i = 0;
   for (; i + n <= in; i += n) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(ATTNLAB_X86)
     if (next && i % 16 == 0) {  // the same line of `next_rows` rows of the next block
       for (int64_t k = 0; k < next_rows; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(next + k * in + i), _MM_HINT_T0);
@@ -228,12 +250,23 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (; t < n; ++t) y[t] += a * x[t];
 }
 
-// Eight cache values as float32: loaded and widened in registers (AVX2), or one by one.
+// A vector of cache values as float32: loaded and widened in registers (AVX2, AVX-512), or
+// one by one.
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+}
+inline Vec load(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
 inline Vec load(const float* p) { return Vec::loadu(p); }
 inline Vec load(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -331,7 +364,7 @@ float exp_sum(float* row, int64_t n, float row_max) {
 // contexts for the hardware prefetcher (each would otherwise cost a miss's full latency).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t n, int64_t most = kPrefetchRow) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(ATTNLAB_X86)
   const int64_t bytes = std::min(n, most) * static_cast<int64_t>(sizeof(T));
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
@@ -354,8 +387,12 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
     for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
     for (int64_t d = 0; d < hd; ++d) {
       const T* row = k + d * cap + t;
-#if defined(CPU_CAPABILITY_AVX2)
-      _mm_prefetch(reinterpret_cast<const char*>(row + 8 * w), _MM_HINT_T0);
+#if defined(ATTNLAB_X86)
+      // the lines of this row's keys four steps ahead
+      const char* ahead = reinterpret_cast<const char*>(row + 8 * w);
+      for (int64_t off = 0; off < 2 * w * static_cast<int64_t>(sizeof(T)); off += 64) {
+        _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
 #endif
       const Vec k0 = load(row), k1 = load(row + w);
       for (int i = 0; i < G; ++i) {
@@ -406,21 +443,25 @@ void grouped_values(const float* p, int64_t n, const T* v0, const T* v1, int64_t
   }
 }
 
-constexpr int64_t kGroupBlock = 6;  // query heads whose sums share the registers (2 x 6 + 3)
+// Query heads whose sums share the registers: 2 G accumulators and 3 more vectors fit in 16
+// AVX2 registers for G = 6, in 32 AVX-512 ones for G = 12 (a multi-query head's 12 query
+// heads then read each key once).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kGroupBlock = 12;
+#else
+constexpr int kGroupBlock = 6;
+#endif
+constexpr int64_t kInRegisters = 6;  // query heads per key/value head from which they are
 constexpr int64_t kGroupedKeyTile = 128;  // keys per tile: hd rows of them stay in L1
 constexpr int64_t kGroupedValueTile = 512;  // keys per tile of the values' pass
 
 // f(std::integral_constant<int, G>) for G = min(remaining, kGroupBlock).
-template <typename F>
+template <int G = 1, typename F>
 void with_group_block(int64_t remaining, F&& f) {
-  switch (std::min(remaining, kGroupBlock)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
+  if constexpr (G < kGroupBlock) {
+    if (remaining > G) return with_group_block<G + 1>(remaining, f);
   }
+  f(std::integral_constant<int, G>{});
 }
 
 struct Attend {
@@ -476,7 +517,7 @@ struct Attend {
     // time. Many (multi-query), or a narrower cache (widened in registers rather than copied
     // to float32 first): the query heads' sums in registers (grouped_scores).
     const bool in_registers =
-        groups >= kGroupBlock || (groups > 1 && !std::is_same<T, float>::value);
+        groups >= kInRegisters || (groups > 1 && !std::is_same<T, float>::value);
     const int64_t tile = std::max<int64_t>(64, kTileScores / groups / 16 * 16);
     if (!in_registers) {
       std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
@@ -627,16 +668,21 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   a.merge(batch, attn);
 }
 
+// The layer's output (b, 1, d_out); an empty tensor, with nothing written, when x holds a NaN
+// or an infinity (the caller's own path then raises its error).
 at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::Tensor& b_qkv,
                        const at::Tensor& w_out, const at::Tensor& b_out, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
                        at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
                        int64_t position, int64_t slot, int64_t first, int64_t count,
                        double scale) {
-  const int64_t batch = x.size(0), d_in = x.size(1), d_qkv = w_qkv.size(0);
+  const int64_t batch = x.size(0), d_in = x.size(-1), d_qkv = w_qkv.size(0);
   const int64_t kv_heads = keys_t.size(1), hd = keys_t.size(2), cap = keys_t.size(3);
   const int64_t d_out = heads * hd;
+  if (!all_finite(x.data_ptr<float>(), batch * d_in)) return at::empty({0}, x.options());
+  // the outputs allocated before the cache is written
   auto qkv = at::empty({batch, d_qkv}, x.options());
+  auto out = at::empty({batch, 1, d_out}, x.options());  // (b, 1, d_out), as the module's
   project(x.data_ptr<float>(), batch, d_in, w_qkv.data_ptr<float>(),
           b_qkv.numel() ? b_qkv.data_ptr<float>() : nullptr, d_qkv, qkv.data_ptr<float>());
   float* q = qkv.data_ptr<float>();
@@ -672,7 +718,6 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
     default:
       TORCH_CHECK(false, "decode_step: cache dtype ", keys_t.scalar_type(), " is not handled");
   }
-  auto out = at::empty({batch, d_out}, x.options());
   project(attn.data_ptr<float>(), batch, d_out, w_out.data_ptr<float>(),
           b_out.numel() ? b_out.data_ptr<float>() : nullptr, d_out, out.data_ptr<float>());
   return out;
