@@ -98,6 +98,28 @@ inline float lane_sum(const Vec& v) {
   return total;
 }
 
+// out[0..4) = the lane sums of a0..a3, in a few shuffles (the lanes of one vector added one by
+// one are a chain of 8 or 16 dependent additions, which at batch 8 cost more than the
+// multiply-adds they reduce).
+inline void sum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(ATTNLAB_X86)
+#if defined(CPU_CAPABILITY_AVX512)
+  auto half = [](const Vec& v) {  // (16,) -> (8,): the two halves added
+    const __m512 x = v;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  };
+  const __m256 v0 = half(a0), v1 = half(a1), v2 = half(a2), v3 = half(a3);
+#else
+  const __m256 v0 = a0, v1 = a1, v2 = a2, v3 = a3;
+#endif
+  // [v0 v1 v2 v3] pairwise: lanes 0..3 hold the low halves' sums, 4..7 the high halves'
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  out[0] = lane_sum(a0), out[1] = lane_sum(a1), out[2] = lane_sum(a2), out[3] = lane_sum(a3);
+#endif
+}
+
 // y[r, j..j+4) = x[r] . w[j..j+4) for rows r0 and r0 + 1 (`two`): four weight rows read
 // side by side against two rows of x, eight sums in registers (a weight or x load per 1.3
 // multiply-adds; one row of x against one weight row is two loads per multiply-add).
@@ -134,10 +156,8 @@ void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float*
       b3 = at::vec::fmadd(xb, v3, b3);
     }
   }
-  sums[0] = lane_sum(a0), sums[1] = lane_sum(a1), sums[2] = lane_sum(a2), sums[3] = lane_sum(a3);
-  if (two) {
-    sums[4] = lane_sum(b0), sums[5] = lane_sum(b1), sums[6] = lane_sum(b2), sums[7] = lane_sum(b3);
-  }
+  sum4(a0, a1, a2, a3, sums);
+  if (two) sum4(b0, b1, b2, b3, sums + kRows);
   for (; i < in; ++i) {
     for (int64_t k = 0; k < kRows; ++k) {
       sums[k] += x0[i] * w[k * in + i];
@@ -314,12 +334,10 @@ void dot4(const float* p, const T* const* x, int64_t n, float* out) {
     s2 = at::vec::fmadd(pv, load(x[2] + t), s2);
     s3 = at::vec::fmadd(pv, load(x[3] + t), s3);
   }
-  const Vec* sums[kRows] = {&s0, &s1, &s2, &s3};
+  float sums[kRows];
+  sum4(s0, s1, s2, s3, sums);
   for (int64_t r = 0; r < kRows; ++r) {
-    float lanes[Vec::size()];
-    sums[r]->store(lanes);
-    float total = 0.0f;
-    for (int64_t l = 0; l < Vec::size(); ++l) total += lanes[l];
+    float total = sums[r];
     for (int64_t u = t; u < n; ++u) total += p[u] * widen(x[r][u]);
     out[r] += total;
   }
@@ -432,8 +450,11 @@ void grouped_values(const float* p, int64_t n, const T* v0, const T* v1, int64_t
       a[i][1] = at::vec::fmadd(pv, x1, a[i][1]);
     }
   }
+  float sums[2 * G + 2];  // sums[2 i + e]: head i, row d + e
+  for (int i = 0; i + 1 < G; i += 2) sum4(a[i][0], a[i][1], a[i + 1][0], a[i + 1][1], sums + 2 * i);
+  if (G % 2) sums[2 * G - 2] = lane_sum(a[G - 1][0]), sums[2 * G - 1] = lane_sum(a[G - 1][1]);
   for (int i = 0; i < G; ++i) {
-    float s0 = lane_sum(a[i][0]), s1 = lane_sum(a[i][1]);
+    float s0 = sums[2 * i], s1 = sums[2 * i + 1];
     for (int64_t u = t; u < m; ++u) {
       s0 += p[i * n + u] * widen(v0[u]);
       s1 += p[i * n + u] * widen(v1[u]);
