@@ -473,6 +473,7 @@ constexpr int kGroupBlock = 12;
 constexpr int kGroupBlock = 6;
 #endif
 constexpr int64_t kInRegisters = 6;  // query heads per key/value head from which they are
+constexpr int64_t kMaxGroupedChunk = 512;  // keys per work item, at most, in registers
 constexpr int64_t kGroupedKeyTile = 128;  // keys per tile: hd rows of them stay in L1
 constexpr int64_t kGroupedValueTile = 512;  // keys per tile of the values' pass
 
@@ -714,10 +715,16 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
       for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(q + b * d_qkv + h * hd, c, s, hd);
     }
   }
-  // enough work items for every thread twice over, each of at least kMinChunk keys
+  // enough work items for every thread twice over, each of at least kMinChunk keys; with
+  // the query heads' sums in registers, at most kMaxGroupedChunk, so that the scores of
+  // all of them stay in L1 for the values' pass
   const int64_t heads_total = batch * kv_heads, threads = at::get_num_threads();
   const int64_t parts = std::max<int64_t>(1, (2 * threads + heads_total - 1) / heads_total);
-  const int64_t chunk = std::max(kMinChunk, (count + parts - 1) / parts);
+  int64_t chunk = std::max(kMinChunk, (count + parts - 1) / parts);
+  const int64_t groups = heads / kv_heads;
+  if (groups >= kInRegisters || (groups > 1 && keys_t.scalar_type() != at::kFloat)) {
+    chunk = std::min(chunk, kMaxGroupedChunk);
+  }
   const int64_t chunks = (count + chunk - 1) / chunk;
   auto partial = at::empty({batch, heads, chunks, hd + 2}, x.options());
   auto attn = at::empty({batch, d_out}, x.options());
