@@ -189,6 +189,25 @@ def test_the_native_step_is_taken_only_where_it_applies():
     assert not decode_cpu.handles(m, x, cache)  # autograd records the call
 
 
+class _ShiftedQueries(MultiHeadAttention):
+    """A subclass that changes a step of the Python path (as a LoRA or a query norm would)."""
+
+    def _project(self, x, context):
+        q, k, v = super()._project(x, context)
+        return q + 0.5, k, v
+
+
+def test_a_subclass_that_changes_the_python_path_decodes_through_it():
+    torch.manual_seed(9)
+    m = _ShiftedQueries(6, 16, 24, 0.0, 4, num_kv_heads=2, rope=True).eval()
+    x = torch.randn(2, 9, 6)
+    with torch.no_grad():
+        cache = m.make_cache(2)
+        assert not decode_cpu.handles(m, x[:, :1], cache)
+        decoded = torch.cat([m(x[:, t : t + 1], cache=cache) for t in range(9)], dim=1)
+        torch.testing.assert_close(decoded, m(x), rtol=1e-5, atol=1e-5)
+
+
 def _refused_calls():
     """Calls forward refuses, each as (module, x, cache) beside the error it raises: the
     native step's gate must let every one through to forward's checks."""

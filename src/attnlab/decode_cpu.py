@@ -82,7 +82,8 @@ def handles(module: MultiHeadAttention, x: object, cache: object) -> bool:
     """True when module(x, cache=cache) can take the native step: every check of
     MultiHeadAttention.forward passes except x's finiteness (the kernel's own), and the
     call is one float32 token per sequence on the CPU, backend "auto", no dropout, nothing
-    recording gradients, plain nn.Linear projections, a head_dim that is a multiple of 4
+    recording gradients, plain nn.Linear projections, the Python path's own steps (no
+    subclass overriding them) and rotary embedding, a head_dim that is a multiple of 4
     (the kernel reads four of its rows side by side), a cache of float32, bfloat16 or
     int8 whose window is the module's; never while torch.compile or export traces."""
     return _plan(module, x, cache) is not None
@@ -98,6 +99,8 @@ def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, d
     if x.dtype != torch.float32 or not x.is_cpu or not _fits(module, cache, x.shape[0]):
         return None
     if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
+        return None
+    if not _runs_the_python_path_as_is(type(module), type(module.rope)):
         return None
     layers = _layers(module)
     if layers is None or (torch.is_grad_enabled() and _records_grad(x, layers, cache)):
@@ -121,6 +124,19 @@ def _fits(module: MultiHeadAttention, cache: KVCache, batch: int) -> bool:
     start = cache.position
     room = cache.rolling or start < cache.capacity
     return room and start < module.context_length
+
+
+@functools.cache
+def _runs_the_python_path_as_is(module_class: type, rope_class: type) -> bool:
+    """False for a subclass that overrides a step of the Python path the kernel stands for
+    (projection, heads, attention), or a rotary embedding other than attnlab's: the kernel
+    would not do what they do."""
+    from attnlab.attention import MultiHeadAttention
+    from attnlab.rope import RotaryEmbedding
+
+    steps = ("_attend", "_project", "_split_heads", "_attention_mask")
+    same = all(getattr(module_class, s) is getattr(MultiHeadAttention, s) for s in steps)
+    return same and rope_class in (type(None), RotaryEmbedding)
 
 
 def _layers(module: MultiHeadAttention) -> tuple[dict, dict] | None:
