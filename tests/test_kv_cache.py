@@ -5,10 +5,11 @@ key/value heads (and the window)."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab import KVCache, MultiHeadAttention, flash_cpu, functional, masks
+from attnlab.kv_cache import BLOCK_TOKENS
 from tests.definitions import decode, module_reference, window_allowed
 
 seeds = st.integers(0, 2**31 - 1)
@@ -360,3 +361,47 @@ def test_backward_through_two_cached_chunks_equals_the_full_forwards(window):
     grads = torch.autograd.grad((out * target).sum(), list(m.parameters()))
     for grad, full_grad in zip(grads, full_grads, strict=True):
         torch.testing.assert_close(grad, full_grad, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    capacity=st.integers(1, 400),
+    rolling=st.booleans(),
+    chunks=st.lists(st.integers(1, 150), min_size=1, max_size=6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fail_last=st.booleans(),
+    block=st.sampled_from([None, 16, BLOCK_TOKENS]),
+)
+def test_the_blocked_storage_gives_back_every_token_it_holds(
+    capacity, rolling, chunks, dtype, fail_last, block
+):
+    """Capacities across several blocks (the native step's, short ones, or the default: one
+    block of the whole capacity), chunks across block edges, a rolling window wrapping around: every
+    slot gives back the token written there last, and a write inside a transaction that
+    raises is undone."""
+    hkv, hd = 2, 4
+    max_tokens = 10 * capacity if rolling else capacity
+    window = capacity if rolling else None
+    cache = KVCache(1, max_tokens, hkv, hd, dtype=dtype, window=window, block_tokens=block)
+    given = []  # every token's key, in position order
+    for n in chunks:
+        n = n if rolling else min(n, capacity - cache.position)
+        if n == 0:
+            break
+        k = torch.randn(1, hkv, n, hd).to(dtype)
+        held_before = cache.keys[:, :, : cache.num_tokens], cache.position
+        if fail_last:
+            with pytest.raises(RuntimeError, match="after the write"), cache.transaction(n):
+                cache.update(k, -k)
+                raise RuntimeError("after the write")
+            assert cache.position == held_before[1]
+            assert torch.equal(cache.keys[:, :, : cache.num_tokens], held_before[0])
+        keys, values, positions = cache.update(k, -k)
+        given.append(k)
+        every = torch.cat(given, dim=2)  # (1, hkv, position, hd)
+        if positions is None:
+            positions = torch.arange(cache.position)
+        assert torch.equal(keys, every[:, :, positions]) and torch.equal(values, -keys)
+        held = torch.arange(cache.num_tokens)
+        slot_positions = held if not rolling else cache.slot_positions()
+        assert torch.equal(cache.keys[:, :, held], every[:, :, slot_positions])

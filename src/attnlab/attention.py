@@ -27,7 +27,7 @@ from attnlab._validate import (
     check_like_parameter,
     check_tensor,
 )
-from attnlab.kv_cache import KVCache
+from attnlab.kv_cache import BLOCK_TOKENS, KVCache
 from attnlab.matvec import project
 from attnlab.rope import RotaryEmbedding, check_base
 
@@ -198,7 +198,8 @@ class MultiHeadAttention(nn.Module):
         device: torch.device | str | None = None,
     ) -> KVCache:
         """A KVCache for this module's key/value heads; rolling, of `window` tokens, when
-        windowed.
+        windowed; laid out in blocks of kv_cache.BLOCK_TOKENS tokens where attnlab's native
+        CPU decode step will read it (decode_cpu.reads), else as one block.
 
         Args:
             batch_size: sequences decoded together.
@@ -217,7 +218,7 @@ class MultiHeadAttention(nn.Module):
             TypeError: dtype is neither floating-point nor torch.int8.
         """
         weight = self.out_proj.weight
-        return KVCache(
+        cache = KVCache(
             batch_size,
             self.context_length if max_tokens is None else max_tokens,
             self.num_kv_heads,
@@ -226,6 +227,18 @@ class MultiHeadAttention(nn.Module):
             device=weight.device if device is None else device,
             window=self.window,
         )
+        if decode_cpu.reads(self, cache):  # the native step's layout: blocks of tokens
+            cache = KVCache(
+                batch_size,
+                cache.max_tokens,
+                self.num_kv_heads,
+                self.head_dim,
+                dtype=cache.dtype,
+                device=cache.device,
+                window=self.window,
+                block_tokens=BLOCK_TOKENS,
+            )
+        return cache
 
     def forward(
         self,

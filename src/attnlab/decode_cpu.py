@@ -13,7 +13,8 @@ about 15 s, once per environment, or ahead of time by `attnlab build`); where it
 built attnlab warns once and decodes with the Python path, which stays the reference it is
 tested against. ATTNLAB_NO_EXTENSION=1 turns it off.
 
-Shapes: x (b, 1, d_in) -> (b, 1, d_out); the cache's buffers (b, hkv, hd, capacity).
+Shapes: x (b, 1, d_in) -> (b, 1, d_out); the cache's buffers (b, hkv, hd * capacity), in
+blocks of cache.block tokens (KVCache.keys_t).
 
 MultiHeadAttention.forward calls try_step first: the step's gate (`handles`) is attribute
 reads and comparisons, and x's finiteness is checked by the kernel as it reads x, so that a
@@ -76,6 +77,14 @@ def try_step(module: MultiHeadAttention, x: object, cache: object) -> torch.Tens
         with cache.transaction(1):
             return step(module, x, cache, start, layers)
     return step(module, x, cache, start, layers)
+
+
+def reads(module: MultiHeadAttention, cache: KVCache) -> bool:
+    """Whether the native step will decode with this module and cache (a fresh one: its
+    position 0), so that make_cache lays it out for the step (kv_cache.BLOCK_TOKENS)."""
+    x = torch.empty(cache.batch_size, 1, module.d_in, device=cache.device)  # (b, 1, d_in)
+    with torch.no_grad():
+        return _plan(module, x, cache) is not None
 
 
 def handles(module: MultiHeadAttention, x: object, cache: object) -> bool:
@@ -194,6 +203,7 @@ def step(
         slot,
         first,
         count,
+        cache.block,
         1.0 / math.sqrt(module.head_dim),
     )
     if not y.numel():

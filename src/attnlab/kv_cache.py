@@ -5,10 +5,16 @@ Buffers are allocated once and written in place; only the key/value heads are st
 grouped-query attention shrinks the cache by num_heads / num_kv_heads. With a window, the
 buffer holds the `window` most recent tokens and rolls: token p lives in slot p % window.
 
-Layout: each buffer is stored (b, hkv, hd, capacity), tokens last, and shown as a
-(b, hkv, capacity, hd) view. Decoding one token reads the whole cache with a
-matrix-vector product per head, and with tokens last each product streams contiguous rows:
-on a CPU that reads memory about twice as fast as the (capacity, hd) layout.
+Layout: each head's buffer holds its tokens in blocks, each block stored (hd, its tokens)
+row-major: tokens last within a block, so that decoding one token reads a block's keys with
+a matrix-vector product over contiguous rows. By default the whole capacity is one block,
+which the Python path reads as views. For attnlab's native CPU decode step
+(MultiHeadAttention.make_cache asks for it) a block is BLOCK_TOKENS (256) tokens and the
+blocks follow one another, so that a short context is one contiguous read however large
+the capacity (with tokens last over the whole capacity, each of the hd rows of a 256-token
+context is a separate 1 KiB read, capacity apart); the Python path then copies the held
+tokens out of the blocks. The buffers are (b, hkv, hd * capacity); `keys` and `values` give
+them back as (b, hkv, capacity, hd).
 
 Writes are in place, except where autograd records them (keys or values that require grad,
 or buffers that already hold such): there a write makes new buffers, so that a backward
@@ -32,6 +38,7 @@ import torch
 from attnlab._validate import check_device, check_int
 
 _COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
+BLOCK_TOKENS = 256  # tokens per block of the stored layout on the CPU
 
 
 class KVCache:
@@ -51,6 +58,9 @@ class KVCache:
             with per-token, per-head scales); default torch's.
         device: where the buffers go.
         window: keep only the `window` most recent tokens (a rolling buffer).
+        block_tokens: store each head's tokens in blocks of this many (see the module's
+            docstring; MultiHeadAttention.make_cache gives BLOCK_TOKENS where its native
+            decode step reads the cache); default one block of the whole capacity.
 
     Raises:
         TypeError: a size that is not an int, a dtype that is neither floating point nor
@@ -68,6 +78,7 @@ class KVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         window: int | None = None,
+        block_tokens: int | None = None,
     ) -> None:
         self.batch_size = check_int("batch_size", batch_size)
         self.max_tokens = check_int("max_tokens", max_tokens)
@@ -77,24 +88,29 @@ class KVCache:
         self.capacity = self.max_tokens if window is None else min(self.window, self.max_tokens)
         dtype = _check_storage_dtype(dtype)
         device = check_device("device", device)
-        shape = (batch_size, num_kv_heads, head_dim, self.capacity)  # tokens last
-        self._keys_t = torch.zeros(shape, dtype=dtype, device=device)  # (b, hkv, hd, capacity)
+        shape = (batch_size, num_kv_heads, head_dim * self.capacity)  # blocks of (hd, tokens)
+        self._keys_t = torch.zeros(shape, dtype=dtype, device=device)
         self._values_t = torch.zeros(shape, dtype=dtype, device=device)
+        self.block = (
+            self.capacity if block_tokens is None else check_int("block_tokens", block_tokens)
+        )
         self._key_scales = self._value_scales = None
         if self.dtype == torch.int8:  # one float32 scale per token and head: (b, hkv, capacity)
-            self._key_scales = torch.zeros(shape[:2] + shape[3:], device=device)
+            scales = (batch_size, num_kv_heads, self.capacity)
+            self._key_scales = torch.zeros(scales, device=device)
             self._value_scales = torch.zeros_like(self._key_scales)
         self.position = 0  # tokens written since the last reset: the next token's position
 
     @property
     def keys(self) -> torch.Tensor:
-        """The key buffer as (b, hkv, capacity, hd) (a view: tokens are stored last)."""
-        return self._keys_t.transpose(-2, -1)
+        """Every slot's key as stored, (b, hkv, capacity, hd) (a copy of the blocked buffer;
+        an int8 cache's unscaled integers: see key_scales)."""
+        return self._tokens(self._keys_t, self.capacity)
 
     @property
     def values(self) -> torch.Tensor:
-        """The value buffer as (b, hkv, capacity, hd) (a view: tokens are stored last)."""
-        return self._values_t.transpose(-2, -1)
+        """Every slot's value as stored, (b, hkv, capacity, hd) (a copy, as keys)."""
+        return self._tokens(self._values_t, self.capacity)
 
     @property
     def key_scales(self) -> torch.Tensor | None:
@@ -109,13 +125,44 @@ class KVCache:
 
     @property
     def keys_t(self) -> torch.Tensor:
-        """The key buffer as stored, (b, hkv, hd, capacity) (for native kernels)."""
+        """The key buffer as stored, (b, hkv, hd * capacity), for native kernels: each head's
+        tokens in blocks of `block` tokens (the last may hold fewer), a block of n tokens
+        (hd, n) row-major."""
         return self._keys_t
 
     @property
     def values_t(self) -> torch.Tensor:
-        """The value buffer as stored, (b, hkv, hd, capacity)."""
+        """The value buffer as stored, laid out as keys_t."""
         return self._values_t
+
+    def columns(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where slots (n,) live in a buffer's last axis: (hd, n) element offsets, row d of
+        slot t at (t's block's first slot) * hd + d * (the block's tokens) + t's place in it."""
+        start = torch.div(slots, self.block, rounding_mode="floor") * self.block
+        length = (self.capacity - start).clamp(max=self.block)  # tokens in each slot's block
+        rows = torch.arange(self.head_dim, device=slots.device).unsqueeze(1)  # (hd, 1)
+        return start * self.head_dim + rows * length + (slots - start)  # (hd, n)
+
+    def _tokens(self, buffer: torch.Tensor, num: int) -> torch.Tensor:
+        """The first `num` slots of a blocked buffer as (b, hkv, num, hd), as stored (a view
+        within one block, else a copy)."""
+        pieces = self._pieces(buffer, 0, num)  # (b, hkv, hd, m) each
+        held = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)  # (b, hkv, hd, num)
+        return held.transpose(-2, -1)
+
+    def _pieces(self, buffer: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+        """Views (b, hkv, hd, m) of the consecutive slots start .. stop - 1, block by block."""
+        batch, heads, hd = *buffer.shape[:2], self.head_dim
+        pieces, slot = [], start
+        while slot < stop or not pieces:
+            first = slot // self.block * self.block
+            length = min(self.block, self.capacity - first)
+            # (b, hkv, hd * length) -> (b, hkv, hd, length): one block
+            block = buffer.narrow(2, first * hd, hd * length).view(batch, heads, hd, length)
+            end = min(stop, first + length)
+            pieces.append(block.narrow(3, slot - first, end - slot))
+            slot = end
+        return pieces
 
     @property
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +305,7 @@ class KVCache:
         n = k.shape[2]
         start = self.position
         if not self.rolling:
-            self._write(k, v, slots=None)
+            self._write(k, v)
             self.position = start + n
             return self._held(start + n, k.dtype)
         if n == 1:  # the window's slots then hold exactly the keys this token may see
@@ -276,15 +323,15 @@ class KVCache:
 
     def _held(self, num: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The first `num` slots' keys and values, (b, hkv, num, hd) in `dtype`, positions
-        None (views of the buffers when they are stored in `dtype`)."""
+        None (views of the buffers when they fit in one block and are stored in `dtype`)."""
         keys = self._read(self._keys_t, self._key_scales, num, dtype)
         return keys, self._read(self._values_t, self._value_scales, num, dtype), None
 
     def _read(self, buffer, scales, num: int, dtype: torch.dtype) -> torch.Tensor:
-        held = buffer.narrow(3, 0, num)  # (b, hkv, hd, num)
+        held = self._tokens(buffer, num)  # (b, hkv, num, hd)
         if scales is not None:
-            held = held.to(torch.float32) * scales.narrow(2, 0, num).unsqueeze(2)
-        return held.to(dtype).transpose(-2, -1)  # (b, hkv, num, hd)
+            held = held.to(torch.float32) * scales.narrow(2, 0, num).unsqueeze(3)
+        return held.to(dtype)
 
     def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, hkv, n, hd) as the cache will give it back: rounded by a narrower store."""
@@ -303,7 +350,8 @@ class KVCache:
 
     def _write_rolling(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         keep = min(k.shape[2], self.capacity)  # older tokens of the chunk would be overwritten
-        self._write(k[:, :, -keep:], v[:, :, -keep:], slots=self._slots(start, k.shape[2]))
+        first = (start + k.shape[2] - keep) % self.capacity
+        self._write(k[:, :, -keep:], v[:, :, -keep:], first=first)
         self.position = start + k.shape[2]
 
     def _slots(self, start: int, num: int) -> torch.Tensor:
@@ -312,33 +360,43 @@ class KVCache:
         keep = min(num, self.capacity)
         return torch.arange(end - keep, end, device=self.device) % self.capacity
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, *, slots: torch.Tensor | None) -> None:
-        """Store k, v (b, hkv, n, hd) in `slots` (n,), or with None in the n slots from the
-        current position on (the position itself is the caller's to move)."""
+    def _write(self, k: torch.Tensor, v: torch.Tensor, *, first: int | None = None) -> None:
+        """Store k, v (b, hkv, n, hd) in the n slots from `first` on, wrapping past the
+        capacity (None: from the current position on; the position is the caller's to
+        move). Out of place under autograd, so that saved tensors stay as autograd saw them."""
+        n = k.shape[2]
+        first = self.position if first is None else first
+        slots = torch.arange(first, first + n, device=k.device) % self.capacity
         grad = self._records_grad(k, v)
-        if grad and slots is None:  # new buffers: saved tensors stay as autograd saw them
-            slots = torch.arange(self.position, self.position + k.shape[2], device=k.device)
         for name, x in (("keys", k), ("values", v)):
             stored, scales = self._encode(x)  # (b, hkv, hd, n), (b, hkv, n) or None
-            buffer, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
-            setattr(self, buffer, self._put(getattr(self, buffer), slots, stored, grad))
+            buffer_name, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
+            buffer = getattr(self, buffer_name)
+            if grad:
+                # (b, hkv, hd, n) -> (b, hkv, hd * n), in the order of columns(slots)
+                flat = stored.reshape(*stored.shape[:2], -1)
+                setattr(
+                    self, buffer_name, buffer.index_copy(2, self.columns(slots).flatten(), flat)
+                )
+            else:
+                self._copy_in(buffer, first, stored)
             if scales is not None:
                 old = getattr(self, scales_name)
-                setattr(self, scales_name, self._put(old, slots, scales, grad))
+                new = (
+                    old.index_copy(2, slots, scales) if grad else old.index_copy_(2, slots, scales)
+                )
+                setattr(self, scales_name, new)
 
-    def _put(
-        self, buffer: torch.Tensor, slots: torch.Tensor | None, new: torch.Tensor, grad: bool
-    ) -> torch.Tensor:
-        """`new` written along the buffer's last (token) axis at `slots`, or with None at the
-        slots from the current position on; out of place under autograd."""
-        dim = buffer.dim() - 1
-        if grad:
-            return buffer.index_copy(dim, slots, new)
-        if slots is None:  # consecutive slots: a plain copy
-            buffer.narrow(dim, self.position, new.shape[dim]).copy_(new)
-        else:
-            buffer.index_copy_(dim, slots, new)
-        return buffer
+    def _copy_in(self, buffer: torch.Tensor, first: int, stored: torch.Tensor) -> None:
+        """stored (b, hkv, hd, n) copied in place into the n slots from `first` on (wrapping
+        past the capacity: at most two runs of consecutive slots)."""
+        n, done = stored.shape[3], 0
+        while done < n:
+            start = (first + done) % self.capacity
+            stop = min(self.capacity, start + n - done)
+            for piece in self._pieces(buffer, start, stop):
+                piece.copy_(stored.narrow(3, done, piece.shape[3]))
+                done += piece.shape[3]
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (b, hkv, n, hd) in the stored layout and dtype (b, hkv, hd, n), and an int8
@@ -367,10 +425,12 @@ class KVCache:
         """
         position = self.position
         tensors = self._tensors()
-        slots, saved = None, ()
+        indices, saved = (), ()
         if self.rolling:  # its writes overwrite held tokens: keep a copy of those slots
             slots = self._slots(position, num_new)
-            saved = tuple(t.index_select(t.dim() - 1, slots) for t in tensors)
+            columns = self.columns(slots).flatten()
+            indices = (columns, columns, slots, slots)[: len(tensors)]  # buffers, then scales
+            saved = tuple(t.index_select(2, i) for t, i in zip(tensors, indices, strict=True))
         try:
             yield
         except BaseException:
@@ -379,9 +439,9 @@ class KVCache:
             self._keys_t, self._values_t = tensors[:2]
             if len(tensors) == 4:
                 self._key_scales, self._value_scales = tensors[2:]
-            if slots is not None and written_in_place:
-                for t, kept in zip(tensors, saved, strict=True):
-                    t.index_copy_(t.dim() - 1, slots, kept)
+            if indices and written_in_place:
+                for t, index, kept in zip(tensors, indices, saved, strict=True):
+                    t.index_copy_(2, index, kept)
             raise
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:

@@ -6,18 +6,18 @@
 // Producing a token reads every weight and the whole cache once, so the step is bound by
 // memory reads: each weight row is streamed once for every sequence of the batch (the rows of
 // x stay in L1), and each key/value head's cache is streamed once for all the query heads
-// that share it. The keys are split into chunks of kChunk tokens, one work item per
-// (sequence, key/value head, chunk), so that both cores stream even a single head's cache;
-// the chunks' partial softmax sums are merged afterwards (split-K, as flash decoding does).
-// Chunks are as long as the cores allow (rows of one head dimension's keys are read
-// contiguously, and short rows leave the hardware prefetcher no time to start).
+// that share it. The keys are split into chunks, one work item per (sequence, key/value head,
+// chunk), so that both cores stream even a single head's cache; the chunks' partial softmax
+// sums are merged afterwards (split-K, as flash decoding does).
 //
-// Layouts (the Python side makes its inputs conform): x (b, 1, d_in) or (b, d_in); w_qkv (d_out + 2 kv_dim,
-// d_in) with rows in query, key, value order; w_out (d_out, d_out); biases (out,) or empty;
-// cos/sin (positions, hd) or empty; keys_t/values_t (b, hkv, hd, capacity), tokens last;
-// key_scales/value_scales (b, hkv, capacity) float32 for int8 buffers, else empty. All
-// float32 except the buffers, all contiguous. The new token goes to slot `slot` at position
-// `position`; attention reads slots [first, first + count).
+// Layouts (the Python side makes its inputs conform): x (b, 1, d_in) or (b, d_in); w_qkv
+// (d_out + 2 kv_dim, d_in) with rows in query, key, value order; w_out (d_out, d_out);
+// biases (out,) or empty; cos/sin (positions, hd) or empty; keys_t/values_t (b, hkv,
+// hd * capacity): each head's tokens in blocks of `block` tokens, a block (hd, its tokens)
+// row-major (Segment), so that a block's keys are one contiguous read; key_scales/
+// value_scales (b, hkv, capacity) float32 for int8 buffers, else empty. All float32 except
+// the buffers, all contiguous. The new token goes to slot `slot` at position `position`;
+// attention reads slots [first, first + count).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,8 +45,6 @@ constexpr int64_t kMinChunk = 512;  // keys per attention work item, at least (l
                                     // for the prefetcher: each is one head dimension's keys)
 constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
 constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
-constexpr int64_t kPrefetchRow = 256;  // tokens of a cache row prefetched ahead
-constexpr int64_t kTileScores = 4096;  // scores per key tile (16 KiB, in L1 with its keys)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -217,26 +215,55 @@ void rotate(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-// Stores one head's vector (hd,) in slot `slot` of its (hd, capacity) buffer.
-void store(const float* src, float* dst, float*, int64_t hd, int64_t cap, int64_t slot) {
-  for (int64_t d = 0; d < hd; ++d) dst[d * cap + slot] = src[d];
+// Where token t of a head's cache lives: its buffer holds `cap` tokens in blocks of `block`
+// tokens, each block (hd, length) row-major with length = min(block, cap - its first token),
+// so that the keys of a block of tokens are one contiguous stretch of memory. `offset` is
+// the element of row 0 at t, `stride` the distance from one row to the next there, `m` how
+// many tokens from t on (at most `until` - t) are in that block.
+struct Segment {
+  int64_t offset, stride, m;
+};
+
+inline Segment segment(int64_t t, int64_t until, int64_t hd, int64_t cap, int64_t block) {
+  const int64_t start = t / block * block;
+  const int64_t length = std::min(block, cap - start);
+  return {start * hd + (t - start), length, std::min(until, start + length) - t};
 }
 
-void store(const float* src, c10::BFloat16* dst, float*, int64_t hd, int64_t cap,
+// Stores one head's vector (hd,) in slot `slot` of its buffer (`cap` tokens in blocks of
+// `block`, see Segment).
+inline int64_t slot_offset(int64_t slot, int64_t hd, int64_t cap, int64_t block, int64_t& stride) {
+  const Segment s = segment(slot, slot + 1, hd, cap, block);
+  stride = s.stride;
+  return s.offset;
+}
+
+void store(const float* src, float* dst, float*, int64_t hd, int64_t cap, int64_t block,
            int64_t slot) {
-  for (int64_t d = 0; d < hd; ++d) dst[d * cap + slot] = c10::BFloat16(src[d]);
+  int64_t stride;
+  dst += slot_offset(slot, hd, cap, block, stride);
+  for (int64_t d = 0; d < hd; ++d) dst[d * stride] = src[d];
+}
+
+void store(const float* src, c10::BFloat16* dst, float*, int64_t hd, int64_t cap, int64_t block,
+           int64_t slot) {
+  int64_t stride;
+  dst += slot_offset(slot, hd, cap, block, stride);
+  for (int64_t d = 0; d < hd; ++d) dst[d * stride] = c10::BFloat16(src[d]);
 }
 
 // Symmetric int8: scale = max |x| / 127, q = round(x / scale) (round half to even).
-void store(const float* src, int8_t* dst, float* scale, int64_t hd, int64_t cap,
+void store(const float* src, int8_t* dst, float* scale, int64_t hd, int64_t cap, int64_t block,
            int64_t slot) {
   float amax = 0.0f;
   for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(src[d]));
   const float s = amax / 127.0f;
   const float divisor = s > 0.0f ? s : 1.0f;
+  int64_t stride;
+  dst += slot_offset(slot, hd, cap, block, stride);
   for (int64_t d = 0; d < hd; ++d) {
     const float q = std::nearbyint(src[d] / divisor);
-    dst[d * cap + slot] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+    dst[d * stride] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
   }
   scale[slot] = s;
 }
@@ -377,27 +404,41 @@ float exp_sum(float* row, int64_t n, float row_max) {
   return sum;
 }
 
-// Prefetches the first `n` tokens (at most kPrefetchRow) of cache row `row`: rows are a head
-// dimension's keys or values, capacity apart, each on its own pages, too short at short
-// contexts for the hardware prefetcher (each would otherwise cost a miss's full latency).
-template <typename T>
-inline void prefetch_row(const T* row, int64_t n, int64_t most = kPrefetchRow) {
+// Prefetches a stretch of memory a few lines at a time (`tick`), spread over the work done
+// before it is read: the cache's blocks are long contiguous reads, prefetched one block ahead.
+struct Prefetcher {
+  const char* begin = nullptr;
+  int64_t lines = 0, done = 0, per_tick = 0;
+
+  template <typename T>
+  void start(const T* first, int64_t elements, int64_t ticks) {
+    begin = reinterpret_cast<const char*>(first);
+    lines = (elements * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    done = 0;
+    per_tick = (lines + ticks - 1) / std::max<int64_t>(ticks, 1);
+  }
+
+  void tick() {
 #if defined(ATTNLAB_X86)
-  const int64_t bytes = std::min(n, most) * static_cast<int64_t>(sizeof(T));
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-#else
-  (void)row, (void)n, (void)most;
+    for (int64_t end = std::min(lines, done + per_tick); done < end; ++done) {
+      _mm_prefetch(begin + done * 64, _MM_HINT_T0);
+    }
 #endif
-}
+  }
+
+  void all() {
+    per_tick = lines;
+    tick();
+  }
+};
 
 // Grouped heads (several query heads per key/value head): the cache is read once for all of
 // them with the query heads' sums in registers. Scores of G query heads for the m keys at
-// k (rows of hd features, cap apart): scores[i * n + t] = q[i] . k[:, t], 16 keys a step, each
+// k (rows of hd features, cap apart; `ahead` ticks once per row read): scores[i * n + t] = q[i] . k[:, t], 16 keys a step, each
 // key vector loaded once for the G heads (two loads and G broadcasts per 2 G multiply-adds).
 template <int G, typename T>
 void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t m,
-                    float* scores, int64_t n) {
+                    float* scores, int64_t n, Prefetcher& ahead) {
   constexpr int64_t w = Vec::size();
   int64_t t = 0;
   for (; t + 2 * w <= m; t += 2 * w) {
@@ -405,13 +446,7 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
     for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
     for (int64_t d = 0; d < hd; ++d) {
       const T* row = k + d * cap + t;
-#if defined(ATTNLAB_X86)
-      // the lines of this row's keys four steps ahead
-      const char* ahead = reinterpret_cast<const char*>(row + 8 * w);
-      for (int64_t off = 0; off < 2 * w * static_cast<int64_t>(sizeof(T)); off += 64) {
-        _mm_prefetch(ahead + off, _MM_HINT_T0);
-      }
-#endif
+      ahead.tick();
       const Vec k0 = load(row), k1 = load(row + w);
       for (int i = 0; i < G; ++i) {
         const Vec qv(q[i * hd + d]);
@@ -474,8 +509,6 @@ constexpr int kGroupBlock = 6;
 #endif
 constexpr int64_t kInRegisters = 6;  // query heads per key/value head from which they are
 constexpr int64_t kMaxGroupedChunk = 512;  // keys per work item, at most, in registers
-constexpr int64_t kGroupedKeyTile = 128;  // keys per tile: hd rows of them stay in L1
-constexpr int64_t kGroupedValueTile = 512;  // keys per tile of the values' pass
 
 // f(std::integral_constant<int, G>) for G = min(remaining, kGroupBlock).
 template <int G = 1, typename F>
@@ -488,88 +521,114 @@ void with_group_block(int64_t remaining, F&& f) {
 
 struct Attend {
   const float* qkv;  // (b, d_qkv): queries (rotated) then keys then values
-  int64_t d_qkv, heads, kv_heads, hd, cap, first, count, chunk, chunks;
+  int64_t d_qkv, heads, kv_heads, hd, cap, block, first, count, chunk, chunks;
   float scale;
   float* partial;  // (b, heads, chunks, hd + 2): unnormalised output, max, sum
+
+  // The item's (sequence, key/value head, first key, number of keys).
+  void locate(int64_t index, int64_t& b, int64_t& g, int64_t& t0, int64_t& n) const {
+    const int64_t c = index % chunks;
+    g = (index / chunks) % kv_heads, b = index / (chunks * kv_heads);
+    t0 = first + c * chunk, n = std::min(chunk, first + count - t0);
+  }
+
+  // The segments of keys [t0, t0 + n) of one head's buffer `base`, block by block:
+  // f(segment, offset u of its first key in the item, the next segment's start or nullptr,
+  // that segment's elements); after the last, `then` (its start and elements) is next.
+  template <typename T, typename F>
+  void for_segments(const T* base, int64_t t0, int64_t n, const T* then, int64_t then_elements,
+                    F&& f) const {
+    Segment s = segment(t0, t0 + n, hd, cap, block);
+    for (int64_t u = 0; u < n;) {
+      const int64_t after = u + s.m;
+      const Segment next = after < n ? segment(t0 + after, t0 + n, hd, cap, block) : s;
+      f(s, u, after < n ? base + next.offset : then, after < n ? span(next) : then_elements);
+      u = after;
+      s = next;
+    }
+  }
+
+  // Elements from a segment's row 0 to the end of its last row.
+  int64_t span(const Segment& s) const { return (hd - 1) * s.stride + s.m; }
 
   // One (sequence, key/value head, chunk of keys) for the `groups` query heads sharing it.
   template <typename T>
   void item(int64_t index, T* keys_t, T* values_t, float* key_scales, float* value_scales,
-            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores, std::vector<float>& tmp) const {
-    const int64_t c = index % chunks, g = (index / chunks) % kv_heads, b = index / (chunks * kv_heads);
+            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores,
+            std::vector<float>& tmp) const {
+    const int64_t c = index % chunks;
+    int64_t b, g, t0, n;
+    locate(index, b, g, t0, n);
     const int64_t groups = heads / kv_heads;
-    const int64_t t0 = first + c * chunk, n = std::min(chunk, first + count - t0);
     const int64_t head = (b * kv_heads + g);
+    const T* k_head = keys_t + head * hd * cap;
+    const T* v_head = values_t + head * hd * cap;
     if (slot >= t0 && slot < t0 + n) {  // this chunk holds the new token's slot: store it first
       const float* row = qkv + b * d_qkv + heads * hd + g * hd;  // its key, then kv_dim on its value
       store(row, keys_t + head * hd * cap, key_scales ? key_scales + head * cap : nullptr, hd, cap,
-            slot);
+            block, slot);
       store(row + kv_heads * hd, values_t + head * hd * cap,
-            value_scales ? value_scales + head * cap : nullptr, hd, cap, slot);
+            value_scales ? value_scales + head * cap : nullptr, hd, cap, block, slot);
     }
-    const T* k_base = keys_t + head * hd * cap + t0;
-    const T* v_base = values_t + head * hd * cap + t0;
-    // row dd of the item: keys' head dimensions 0..hd-1, then values'
-    auto row_at = [&](int64_t dd) { return dd < hd ? k_base + dd * cap : v_base + (dd - hd) * cap; };
-    // the item this thread takes next (`next`, or none: -1): its first rows follow this one's
-    int64_t next_n = 0;
-    const T* next_k = nullptr;
+    // what follows this item's keys: its values; what follows its values: the keys of the
+    // item this thread takes next (`next`, or none: -1)
+    const Segment first_values = segment(t0, t0 + n, hd, cap, block);
+    const T* next_keys = nullptr;
+    int64_t next_elements = 0;
     if (next >= 0) {
-      const int64_t nc = next % chunks, ng = (next / chunks) % kv_heads, nb = next / (chunks * kv_heads);
-      const int64_t nt0 = first + nc * chunk;
-      next_n = std::min(chunk, first + count - nt0);
-      next_k = keys_t + (nb * kv_heads + ng) * hd * cap + nt0;
+      int64_t nb, ng, nt0, nn;
+      locate(next, nb, ng, nt0, nn);
+      const Segment s = segment(nt0, nt0 + nn, hd, cap, block);
+      next_keys = keys_t + (nb * kv_heads + ng) * hd * cap + s.offset;
+      next_elements = span(s);
     }
-    auto prefetch_block = [&](int64_t dd, int64_t u, int64_t m) {  // kRows rows from dd
-      for (int64_t r = dd; r < dd + kRows; ++r) {
-        if (r < 2 * hd) {
-          prefetch_row(row_at(r) + u, m);
-        } else if (next_k && r - 2 * hd < hd) {  // past this item's values: the next one's keys
-          prefetch_row(next_k + (r - 2 * hd) * cap, next_n);
-        }
-      }
-    };
-    if (first_item) {  // the others' first rows were prefetched by the item before
-      prefetch_block(0, 0, n);
-      prefetch_block(kRows, 0, n);
+    Prefetcher ahead;
+    if (first_item) {  // the others' first keys were prefetched by the item before
+      ahead.start(k_head + first_values.offset, span(first_values), 1);
+      ahead.all();
     }
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
     // One query head per key/value head, or a few with a float32 cache: scores[i, t] +=
-    // q[i, d] * k[d, t], in tiles of keys whose scores stay in L1, four rows of keys at a
-    // time. Many (multi-query), or a narrower cache (widened in registers rather than copied
-    // to float32 first): the query heads' sums in registers (grouped_scores).
+    // q[i, d] * k[d, t], four rows of keys at a time. Many (multi-query), or a narrower cache
+    // (widened in registers rather than copied to float32 first): the query heads' sums in
+    // registers (grouped_scores).
     const bool in_registers =
         groups >= kInRegisters || (groups > 1 && !std::is_same<T, float>::value);
-    const int64_t tile = std::max<int64_t>(64, kTileScores / groups / 16 * 16);
+    const T* values_start = v_head + first_values.offset;
+    const int64_t values_elements = span(first_values);
     if (!in_registers) {
       std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
-      for (int64_t u = 0; u < n; u += tile) {
-        const int64_t m = std::min(tile, n - u);
+      for_segments(k_head, t0, n, values_start, values_elements,
+                   [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
+        ahead.start(after, after_elements, hd / kRows);
         for (int64_t d = 0; d < hd; d += kRows) {
-          prefetch_block(d + 2 * kRows, u, m);  // two blocks ahead (the values after the keys)
+          ahead.tick();
           const T* k[kRows];
-          for (int64_t r = 0; r < kRows; ++r) k[r] = k_base + (d + r) * cap + u;
+          for (int64_t r = 0; r < kRows; ++r) k[r] = k_head + s.offset + (d + r) * s.stride;
           if (groups == 1) {  // widened in registers as they are read
-            axpy4(q + d, k, scores.data() + u, m);
+            axpy4(q + d, k, scores.data() + u, s.m);
             continue;
           }
           const float* wide[kRows];  // widened once for the query heads sharing them
-          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(k[r], &tmp[r * m], m);
+          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(k[r], &tmp[r * s.m], s.m);
           for (int64_t i = 0; i < groups; ++i) {
-            axpy4(q + i * hd + d, wide, scores.data() + i * n + u, m);
+            axpy4(q + i * hd + d, wide, scores.data() + i * n + u, s.m);
           }
         }
-      }
+      });
     } else {
-      for (int64_t u = 0; u < n; u += kGroupedKeyTile) {
-        const int64_t m = std::min(kGroupedKeyTile, n - u);
+      constexpr int64_t step = 2 * Vec::size();  // keys per step of grouped_scores
+      for_segments(k_head, t0, n, values_start, values_elements,
+                   [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
+        const int64_t blocks = (groups + kGroupBlock - 1) / kGroupBlock;
+        ahead.start(after, after_elements, blocks * hd * std::max<int64_t>(1, s.m / step));
         for (int64_t i = 0; i < groups; i += kGroupBlock) {
           with_group_block(groups - i, [&](auto G) {
-            grouped_scores<decltype(G)::value>(q + i * hd, hd, k_base + u, cap, m,
-                                               scores.data() + i * n + u, n);
+            grouped_scores<decltype(G)::value>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
+                                               scores.data() + i * n + u, n, ahead);
           });
         }
-      }
+      });
     }
     for (int64_t i = 0; i < groups; ++i) {
       float* s = scores.data() + i * n;
@@ -594,47 +653,42 @@ struct Attend {
       std::fill_n(partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2), hd, 0.0f);
     }
     float* out0 = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2);
-    if (!in_registers) {
-      for (int64_t u = 0; u < n; u += tile) {  // out[i, d] = sum_t p[i, t] v[d, t], by tiles
-        const int64_t m = std::min(tile, n - u);
+    if (!in_registers) {  // out[i, d] = sum_t p[i, t] v[d, t], four rows of values at a time
+      for_segments(v_head, t0, n, next_keys, next_elements,
+                   [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
+        ahead.start(after, after_elements, hd / kRows);
         for (int64_t d = 0; d < hd; d += kRows) {
-          prefetch_block(hd + d + 2 * kRows, u, m);
+          ahead.tick();
           const T* v[kRows];
-          for (int64_t r = 0; r < kRows; ++r) v[r] = v_base + (d + r) * cap + u;
+          for (int64_t r = 0; r < kRows; ++r) v[r] = v_head + s.offset + (d + r) * s.stride;
           if (groups == 1) {
-            dot4(scores.data() + u, v, m, out0 + d);
+            dot4(scores.data() + u, v, s.m, out0 + d);
             continue;
           }
           const float* wide[kRows];
-          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(v[r], &tmp[r * m], m);
+          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(v[r], &tmp[r * s.m], s.m);
           for (int64_t i = 0; i < groups; ++i) {
-            dot4(scores.data() + i * n + u, wide, m, out0 + d + i * chunks * (hd + 2));
+            dot4(scores.data() + i * n + u, wide, s.m, out0 + d + i * chunks * (hd + 2));
           }
         }
-      }
+      });
       return;
     }
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
-    for (int64_t u = 0; u < n; u += kGroupedValueTile) {  // out[i, d] = sum_t p[i, t] v[d, t]
-      const int64_t m = std::min(kGroupedValueTile, n - u);
-      for (int64_t d = 0; d < hd; d += 2) {
-        // the two rows four steps ahead, whole (the next tile's first rows at the end)
-        const int64_t ahead = d + 4 * 2, next_u = ahead < hd ? u : u + m;
-        if (next_u < n) {
-          const int64_t rows_u = std::min(kGroupedValueTile, n - next_u);
-          for (int64_t r = ahead % hd; r < ahead % hd + 2; ++r) {
-            prefetch_row(v_base + r * cap + next_u, rows_u, kGroupedValueTile);
-          }
-        }
-        const T* v0 = v_base + d * cap + u;
+    for_segments(v_head, t0, n, next_keys, next_elements,
+                 [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
+      ahead.start(after, after_elements, hd / 2);
+      for (int64_t d = 0; d < hd; d += 2) {  // out[i, d] = sum_t p[i, t] v[d, t], two rows
+        ahead.tick();
+        const T* v0 = v_head + s.offset + d * s.stride;
         for (int64_t i = 0; i < groups; i += kGroupBlock) {
           with_group_block(groups - i, [&](auto G) {
-            grouped_values<decltype(G)::value>(scores.data() + i * n + u, n, v0, v0 + cap, m,
-                                               out0 + i * stride + d, stride);
+            grouped_values<decltype(G)::value>(scores.data() + i * n + u, n, v0, v0 + s.stride,
+                                               s.m, out0 + i * stride + d, stride);
           });
         }
       }
-    }
+    });
   }
 
   // attn (b, heads * hd): each head's chunks merged and normalised.
@@ -674,14 +728,15 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
     for (int64_t g = 0; g < a.kv_heads; ++g) {
       const int64_t head = b * a.kv_heads + g;
       const float* row = a.qkv + b * a.d_qkv + d_out + g * a.hd;
-      store(row, keys + head * a.hd * a.cap, ks ? ks + head * a.cap : nullptr, a.hd, a.cap, slot);
+      store(row, keys + head * a.hd * a.cap, ks ? ks + head * a.cap : nullptr, a.hd, a.cap,
+            a.block, slot);
       store(row + kv_dim, values + head * a.hd * a.cap, vs ? vs + head * a.cap : nullptr, a.hd,
-            a.cap, slot);
+            a.cap, a.block, slot);
     }
   }
   const int64_t groups = a.heads / a.kv_heads;
   at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, kTileScores));
+    std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, a.block));
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
                 index + 1 < end ? index + 1 : -1, index == begin, scores, tmp);
@@ -697,10 +752,10 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
                        const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
                        at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
                        int64_t position, int64_t slot, int64_t first, int64_t count,
-                       double scale) {
+                       int64_t block, double scale) {
   const int64_t batch = x.size(0), d_in = x.size(-1), d_qkv = w_qkv.size(0);
-  const int64_t kv_heads = keys_t.size(1), hd = keys_t.size(2), cap = keys_t.size(3);
-  const int64_t d_out = heads * hd;
+  const int64_t kv_heads = keys_t.size(1), d_out = w_out.size(0), hd = d_out / heads;
+  const int64_t cap = keys_t.size(2) / hd;
   if (!all_finite(x.data_ptr<float>(), batch * d_in)) return at::empty({0}, x.options());
   // the outputs allocated before the cache is written
   auto qkv = at::empty({batch, d_qkv}, x.options());
@@ -728,7 +783,7 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   const int64_t chunks = (count + chunk - 1) / chunk;
   auto partial = at::empty({batch, heads, chunks, hd + 2}, x.options());
   auto attn = at::empty({batch, d_out}, x.options());
-  Attend a{q, d_qkv, heads, kv_heads, hd, cap, first, count, chunk, chunks,
+  Attend a{q, d_qkv, heads, kv_heads, hd, cap, block, first, count, chunk, chunks,
            static_cast<float>(scale), partial.data_ptr<float>()};
   switch (keys_t.scalar_type()) {
     case at::kFloat:
@@ -758,6 +813,6 @@ TORCH_LIBRARY(attnlab_decode, m) {
       "decode_step(Tensor x, Tensor w_qkv, Tensor b_qkv, Tensor w_out, Tensor b_out, "
       "Tensor cos, Tensor sin, Tensor(a!) keys_t, Tensor(b!) values_t, Tensor(c!) key_scales, "
       "Tensor(d!) value_scales, int heads, int position, int slot, int first, int count, "
-      "float scale) -> Tensor");
+      "int block, float scale) -> Tensor");
   m.impl("decode_step", c10::DispatchKey::CPU, TORCH_FN(decode_step));
 }
