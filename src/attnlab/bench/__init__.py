@@ -32,7 +32,13 @@ from attnlab.bench.printing import (
 if TYPE_CHECKING:  # attnlab.parallel (torch.distributed) loads only for --parallel
     from attnlab.bench.parallel import ParallelReport
 
-QUICK_DECODE = {"contexts": (32, 128), "layers": 2, "min_run_time": 0.02, "rounds": 1}
+QUICK_DECODE = {
+    "contexts": (32, 128),
+    "layers": 2,
+    "min_run_time": 0.02,
+    "rounds": 1,
+    "read_bytes": 8 * 2**20,
+}
 
 __all__ = [
     "CompareReport",

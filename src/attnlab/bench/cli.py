@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from attnlab._arguments import positive_int
-from attnlab.bench import budget
+from attnlab.bench import budget, timing
 
 DTYPES = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -190,6 +190,7 @@ def estimate_bytes(args: argparse.Namespace, mode: str) -> tuple[int, str]:
         needed = budget.decode_bytes(
             max(contexts), d_model=GPT2_SMALL["d_model"], layers=layers, itemsize=itemsize
         )
+        needed += QUICK_DECODE["read_bytes"] if args.quick else timing.read_bytes()
         return needed, f"--decode --contexts {max(contexts)}"
     if mode == "padded":
         from attnlab.bench.padded import GPT2_SMALL as PADDED

@@ -6,7 +6,10 @@ Decoding one token reads every projection weight and the whole cache once and do
 arithmetic with them, so it is bound by memory traffic: (weight bytes + cache bytes read) /
 read bandwidth is the physical limit a step cannot beat. The bandwidth is measured in the
 same interleaved rounds as the step it bounds, so that a busy neighbour on a shared machine
-slows both alike.
+slows both alike, by summing a buffer of twice the last-level cache (at least 256 MiB);
+each timed step starts after that read has evicted the CPU's caches, so that its bytes come
+from memory too (a 12-layer stack of grouped or multi-query heads, 60 to 80 MB, otherwise
+runs partly from a large last-level cache and beats the memory floor).
 
 The steps table has a row per head layout (multi-head, grouped-query, multi-query), batch
 (1 and 8: the weights are read once for the whole batch, the cache once per sequence),
@@ -106,6 +109,7 @@ def run_decode(
     dtype: torch.dtype = torch.float32,
     min_run_time: float = 0.2,
     rounds: int = 3,
+    read_bytes: int | None = None,
     progress: Callable[[str], None] = lambda step: None,
 ) -> DecodeReport:
     """Measure decoding at each context length: the caches hold context - 1 tokens and the
@@ -125,6 +129,9 @@ def run_decode(
         dtype: the modules' dtype.
         min_run_time: seconds per timing.
         rounds: interleaved rounds per row.
+        read_bytes: the buffer read to measure the bandwidth and, before each timed step,
+            to evict the CPU's caches (default timing.read_bytes(): twice the last-level
+            cache, at least 256 MiB).
         progress: called with a description before each row.
 
     Returns:
@@ -133,7 +140,7 @@ def run_decode(
     """
     torch.manual_seed(0)
     kv_heads = list(kv_heads) or _default_kv_heads(num_heads)
-    reader = memory_read()
+    reader = memory_read(nbytes=read_bytes)
     stack = _stack(d_model, num_heads, num_heads, max(contexts), dtype, layers)
     report = DecodeReport(
         d_model,
@@ -233,6 +240,8 @@ def _decode_row(modules, context, reader, min_run_time, rounds) -> DecodeRow:
         {"cached": every_layer, "recompute": recompute, "read": read},
         rounds=rounds,
         min_run_time=min_run_time,
+        cold={"cached"},
+        flush=read,
     )
     bandwidth = read_bytes / times["read"]
     per_layer = times["cached"] / len(modules)
@@ -269,7 +278,11 @@ def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheR
 
     read, read_bytes = reader
     times = interleaved_medians(
-        {"cached": every_layer, "read": read}, rounds=rounds, min_run_time=min_run_time
+        {"cached": every_layer, "read": read},
+        rounds=rounds,
+        min_run_time=min_run_time,
+        cold={"cached"},
+        flush=read,
     )
     bandwidth = read_bytes / times["read"]
     cache_dtype = caches[0].dtype

@@ -1,16 +1,40 @@
 """Timing and machine figures shared by the benchmarks: medians from torch.utils.benchmark
 with every thread torch uses (its default is one), measured in interleaved rounds so that
-drift on a shared machine hits every candidate alike."""
+drift on a shared machine hits every candidate alike; calls whose figure must come from
+memory are timed cold, one at a time after a read larger than the CPU's caches."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 
 import torch
 from torch.utils import benchmark
 
-_READ_BYTES = 256 * 2**20  # larger than any last-level cache, so reads come from memory
+_MIN_READ_BYTES = 256 * 2**20  # the read buffer's size, at least
+_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports for cpu0 (its last level, shared by the cores and,
+    on a virtual machine, by its neighbours), or 0 where it reports none."""
+    sizes = []
+    for path in _CACHES.glob("index*/size"):
+        text = path.read_text().strip()  # e.g. "491520K"
+        if text[:-1].isdigit() and text[-1] in _UNITS:
+            sizes.append(int(text[:-1]) * _UNITS[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=0)
+
+
+def read_bytes() -> int:
+    """Bytes a read must span to come from memory: twice the last-level cache, at least
+    256 MiB."""
+    return max(_MIN_READ_BYTES, 2 * last_level_cache_bytes())
 
 
 def interleaved_medians(
@@ -19,15 +43,22 @@ def interleaved_medians(
     rounds: int = 3,
     min_run_time: float = 0.2,
     warmup: int = 1,
+    cold: Collection[str] = (),
+    flush: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured round-robin `rounds` times
-    (warm-up calls excluded)."""
+    (warm-up calls excluded). The candidates named in `cold` are timed one call at a time,
+    each after `flush` (a read of more memory than the CPU's caches hold) has evicted what
+    the call before left in them: their figures are from memory, however small their data."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
     for _ in range(rounds):
         for name, fn in candidates.items():
+            if name in cold:
+                times[name].extend(_cold_times(fn, flush, min_run_time))
+                continue
             timer = benchmark.Timer(
                 stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
             )
@@ -35,10 +66,32 @@ def interleaved_medians(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def memory_read(device: str | torch.device = "cpu") -> tuple[Callable[[], object], int]:
-    """A call that reads a 256 MiB buffer from memory (a sum), and the bytes it reads: time it
-    beside other candidates to get the read bandwidth under the same conditions."""
-    buffer = torch.ones(_READ_BYTES // 4, dtype=torch.float32, device=device)
+def _cold_times(fn: Callable[[], object], flush, min_run_time: float) -> list[float]:
+    """Seconds of single calls, each after flush(), until they add up to min_run_time (three
+    calls at least)."""
+    times: list[float] = []
+    while sum(times) < min_run_time or len(times) < 3:
+        flush()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def memory_read(
+    device: str | torch.device = "cpu", nbytes: int | None = None
+) -> tuple[Callable[[], object], int]:
+    """A call that reads a buffer from memory (a sum), and the bytes it reads: time it beside
+    other candidates to get the read bandwidth under the same conditions; on the CPU it also
+    evicts the caches (interleaved_medians' flush).
+
+    Args:
+        device: where the buffer lives.
+        nbytes: its size (default read_bytes(): twice the last-level cache, at least
+            256 MiB).
+    """
+    nbytes = read_bytes() if nbytes is None else nbytes
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return buffer.sum, buffer.nbytes
 
 
