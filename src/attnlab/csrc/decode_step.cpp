@@ -473,12 +473,13 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
 // (each row's vector loaded once for the G heads).
 template <int G, typename T>
 void grouped_values(const float* p, int64_t n, const T* v0, const T* v1, int64_t m, float* out,
-                    int64_t stride) {
+                    int64_t stride, Prefetcher& ahead) {
   constexpr int64_t w = Vec::size();
   Vec a[G][2];
   for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
   int64_t t = 0;
   for (; t + w <= m; t += w) {
+    ahead.tick();
     const Vec x0 = load(v0 + t), x1 = load(v1 + t);
     for (int i = 0; i < G; ++i) {
       const Vec pv = Vec::loadu(p + i * n + t);
@@ -678,14 +679,14 @@ struct Attend {
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
     for_segments(v_head, t0, n, next_keys, next_elements,
                  [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-      ahead.start(after, after_elements, hd / 2);
+      const int64_t blocks = (groups + kGroupBlock - 1) / kGroupBlock;
+      ahead.start(after, after_elements, blocks * hd / 2 * std::max<int64_t>(1, s.m / Vec::size()));
       for (int64_t d = 0; d < hd; d += 2) {  // out[i, d] = sum_t p[i, t] v[d, t], two rows
-        ahead.tick();
         const T* v0 = v_head + s.offset + d * s.stride;
         for (int64_t i = 0; i < groups; i += kGroupBlock) {
           with_group_block(groups - i, [&](auto G) {
             grouped_values<decltype(G)::value>(scores.data() + i * n + u, n, v0, v0 + s.stride,
-                                               s.m, out0 + i * stride + d, stride);
+                                               s.m, out0 + i * stride + d, stride, ahead);
           });
         }
       }
