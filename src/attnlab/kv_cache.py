@@ -38,7 +38,7 @@ import torch
 from attnlab._validate import check_device, check_int
 
 _COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
-BLOCK_TOKENS = 256  # tokens per block of the stored layout on the CPU
+BLOCK_TOKENS = 256  # tokens per block where the native decode step reads the cache
 
 
 class KVCache:
@@ -46,8 +46,8 @@ class KVCache:
     tokens, or, with `window`, a rolling buffer of the `window` most recent tokens.
 
     MultiHeadAttention.make_cache builds one for a module; the accessors named for native
-    kernels (keys_t, values_t, scales, native_slots, accepts, compressed, records_grad)
-    expose the stored layout to attnlab's decode step.
+    kernels (keys_t, values_t, block, scales, native_slots, accepts, compressed,
+    records_grad) expose the stored layout to attnlab's decode step.
 
     Args:
         batch_size: sequences held (an int >= 1).
@@ -135,7 +135,7 @@ class KVCache:
         """The value buffer as stored, laid out as keys_t."""
         return self._values_t
 
-    def columns(self, slots: torch.Tensor) -> torch.Tensor:
+    def _columns(self, slots: torch.Tensor) -> torch.Tensor:
         """Where slots (n,) live in a buffer's last axis: (hd, n) element offsets, row d of
         slot t at (t's block's first slot) * hd + d * (the block's tokens) + t's place in it."""
         start = torch.div(slots, self.block, rounding_mode="floor") * self.block
@@ -373,10 +373,10 @@ class KVCache:
             buffer_name, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
             buffer = getattr(self, buffer_name)
             if grad:
-                # (b, hkv, hd, n) -> (b, hkv, hd * n), in the order of columns(slots)
+                # (b, hkv, hd, n) -> (b, hkv, hd * n), in the order of _columns(slots)
                 flat = stored.reshape(*stored.shape[:2], -1)
                 setattr(
-                    self, buffer_name, buffer.index_copy(2, self.columns(slots).flatten(), flat)
+                    self, buffer_name, buffer.index_copy(2, self._columns(slots).flatten(), flat)
                 )
             else:
                 self._copy_in(buffer, first, stored)
@@ -428,7 +428,7 @@ class KVCache:
         indices, saved = (), ()
         if self.rolling:  # its writes overwrite held tokens: keep a copy of those slots
             slots = self._slots(position, num_new)
-            columns = self.columns(slots).flatten()
+            columns = self._columns(slots).flatten()
             indices = (columns, columns, slots, slots)[: len(tensors)]  # buffers, then scales
             saved = tuple(t.index_select(2, i) for t, i in zip(tensors, indices, strict=True))
         try:
