@@ -218,27 +218,19 @@ class MultiHeadAttention(nn.Module):
             TypeError: dtype is neither floating-point nor torch.int8.
         """
         weight = self.out_proj.weight
-        cache = KVCache(
+        dtype = weight.dtype if dtype is None else dtype  # KVCache checks it
+        device = weight.device if device is None else check_device("device", device)
+        native = decode_cpu.reads(self, dtype, device)
+        return KVCache(
             batch_size,
             self.context_length if max_tokens is None else max_tokens,
             self.num_kv_heads,
             self.head_dim,
-            dtype=weight.dtype if dtype is None else dtype,
-            device=weight.device if device is None else device,
+            dtype=dtype,
+            device=device,
             window=self.window,
+            block_tokens=BLOCK_TOKENS if native else None,  # the native step's layout
         )
-        if decode_cpu.reads(self, cache):  # the native step's layout: blocks of tokens
-            cache = KVCache(
-                batch_size,
-                cache.max_tokens,
-                self.num_kv_heads,
-                self.head_dim,
-                dtype=cache.dtype,
-                device=cache.device,
-                window=self.window,
-                block_tokens=BLOCK_TOKENS,
-            )
-        return cache
 
     def forward(
         self,

@@ -79,12 +79,13 @@ def try_step(module: MultiHeadAttention, x: object, cache: object) -> torch.Tens
     return step(module, x, cache, start, layers)
 
 
-def reads(module: MultiHeadAttention, cache: KVCache) -> bool:
-    """Whether the native step will decode with this module and cache (a fresh one: its
-    position 0), so that make_cache lays it out for the step (kv_cache.BLOCK_TOKENS)."""
-    x = torch.empty(cache.batch_size, 1, module.d_in, device=cache.device)  # (b, 1, d_in)
-    with torch.no_grad():
-        return _plan(module, x, cache) is not None
+def reads(module: MultiHeadAttention, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native step will decode with a cache that make_cache builds for this
+    module, of this dtype on this device (then laid out for the step: kv_cache.BLOCK_TOKENS);
+    what a call brings (x, autograd) is left to each call's gate."""
+    if device.type != "cpu" or dtype not in _CACHE_DTYPES:
+        return False
+    return _module_plan(module) is not None and available()
 
 
 def handles(module: MultiHeadAttention, x: object, cache: object) -> bool:
@@ -109,23 +110,27 @@ def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, d
         return None
     if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
         return None
-    if not _runs_the_python_path_as_is(type(module), type(module.rope)):
-        return None
-    layers = _layers(module)
+    layers = _module_plan(module)
     if layers is None or (torch.is_grad_enabled() and _records_grad(x, layers, cache)):
         return None
     return layers if available() else None
 
 
-def _fits(module: MultiHeadAttention, cache: KVCache, batch: int) -> bool:
-    """The module's settings and the cache's shape, dtype, window and room."""
+def _module_plan(module: MultiHeadAttention) -> tuple[dict, dict] | None:
+    """The projections' parameters when the module's settings suit the step, else None."""
     if module.backend != "auto" or not module.causal or (module.training and module.dropout > 0):
-        return False
-    head_dim, window = module.head_dim, module.window
+        return None
+    if module.head_dim % 4 or not _runs_the_python_path_as_is(type(module), type(module.rope)):
+        return None
+    return _layers(module)
+
+
+def _fits(module: MultiHeadAttention, cache: KVCache, batch: int) -> bool:
+    """The cache's shape, dtype, window and room for this module and batch."""
     made_for = (cache.batch_size, cache.num_kv_heads, cache.head_dim)
-    if head_dim % 4 or made_for != (batch, module.num_kv_heads, head_dim):
+    if made_for != (batch, module.num_kv_heads, module.head_dim):
         return False
-    keys = cache.keys_t
+    keys, window = cache.keys_t, module.window
     if keys.dtype not in _CACHE_DTYPES or not keys.is_cpu:
         return False
     if cache.window is not None and (window is None or cache.window != window):
