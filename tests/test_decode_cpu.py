@@ -420,3 +420,90 @@ def test_the_avx2_build_passes_the_native_tests_too():
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout
+
+
+def _backends_agree(run):
+    """run(backend) -> what happened; the native step ("auto") must do as the Python path."""
+    return run("auto"), run("math")
+
+
+def test_an_int8_cache_is_refused_when_any_parameter_records_gradients():
+    """forward refuses an int8 cache under autograd when any parameter of the module requires
+    grad, not only the projections'."""
+
+    def run(backend):
+        torch.manual_seed(1)
+        m = MultiHeadAttention(8, 16, 64, 0.0, 4, num_kv_heads=2, backend=backend).eval()
+        m.register_parameter("gate", torch.nn.Parameter(torch.ones(1)))
+        for p in (*m.qkv_proj.parameters(), *m.out_proj.parameters()):
+            p.requires_grad_(False)
+        cache = m.make_cache(1, dtype=torch.int8)
+        with pytest.raises(ValueError, match="int8 cache stores rounded"):
+            m(torch.randn(1, 1, 8), cache=cache)
+        return cache.position
+
+    assert _backends_agree(run) == (0, 0)
+
+
+def test_a_method_replaced_on_the_instance_decodes_through_it():
+    torch.manual_seed(2)
+    m = MultiHeadAttention(6, 16, 24, 0.0, 4, num_kv_heads=2).eval()
+    plain = m._project
+
+    def shifted(x, context):
+        q, k, v = plain(x, context)
+        return q + 0.5, k, v
+
+    m._project = shifted
+    x = torch.randn(1, 7, 6)
+    with torch.no_grad():
+        cache = m.make_cache(1)
+        assert not decode_cpu.handles(m, x[:, :1], cache)
+        decoded = torch.cat([m(x[:, t : t + 1], cache=cache) for t in range(7)], dim=1)
+        torch.testing.assert_close(decoded, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_buffers_autograd_saved_are_never_written_behind_its_back():
+    """A step recorded by autograd through a rolling cache saves views of its buffers; a later
+    step under no_grad overwrites a held slot. The Python path's in-place write makes the
+    backward refuse (version counter); the native step must not write silently instead."""
+
+    def run(backend):
+        torch.manual_seed(0)
+        m = MultiHeadAttention(8, 16, 64, 0.0, 4, num_kv_heads=2, window=4, backend=backend)
+        m.eval()
+        cache = m.make_cache(1)
+        x = torch.randn(1, 8, 8)
+        with torch.no_grad():
+            m(x[:, :5], cache=cache)
+        y = m(x[:, 5:6], cache=cache)  # autograd saves the buffers
+        with torch.no_grad():
+            assert not decode_cpu.handles(m, x[:, 6:7], cache)
+            m(x[:, 6:7], cache=cache)  # overwrites a slot y's graph saved
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y.sum(), m.qkv_proj.weight)
+        return "refused"
+
+    assert _backends_agree(run) == ("refused", "refused")
+
+
+def test_a_cache_filled_in_inference_mode_is_not_written_outside_it():
+    def run(backend):
+        torch.manual_seed(0)
+        m = MultiHeadAttention(8, 16, 64, 0.0, 4, num_kv_heads=2, backend=backend).eval()
+        with torch.inference_mode():
+            cache = m.make_cache(1)
+            m(torch.randn(1, 3, 8), cache=cache)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="[Ii]nference"):
+            m(torch.randn(1, 1, 8), cache=cache)
+        return cache.position
+
+    assert _backends_agree(run) == (3, 3)
+
+
+def test_append_past_a_full_cache_raises_instead_of_wrapping():
+    cache = KVCache(1, 4, 1, 2, block_tokens=2)
+    cache.append(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    with pytest.raises(ValueError, match="cannot take 3 more"):
+        cache.append(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    assert cache.position == 3

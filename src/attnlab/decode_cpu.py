@@ -40,6 +40,18 @@ if TYPE_CHECKING:
 _SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _EMPTY = torch.empty(0)
+# MultiHeadAttention's steps the native call stands for, checks included: a subclass or an
+# instance that replaces one gets the Python path (its own steps and checks)
+_STEPS = (
+    "_attend",
+    "_project",
+    "_split_heads",
+    "_attention_mask",
+    "_check_input",
+    "_check_cache",
+    "_check_mask",
+    "_start_position",
+)
 
 
 @functools.cache
@@ -111,9 +123,25 @@ def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, d
     if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
         return None
     layers = _module_plan(module)
-    if layers is None or (torch.is_grad_enabled() and _records_grad(x, layers, cache)):
+    if layers is None or _unwritable(cache) or (torch.is_grad_enabled() and _records(module, x)):
         return None
     return layers if available() else None
+
+
+def _unwritable(cache: KVCache) -> bool:
+    """Buffers the kernel must not write behind autograd's or inference mode's back (it
+    writes through data pointers): buffers autograd saved, which the Python path's in-place
+    write would have it refuse at backward, and inference tensors outside inference mode,
+    which the Python path refuses to write."""
+    if cache.records_grad:
+        return True
+    return cache.keys_t.is_inference() and not torch.is_inference_mode_enabled()
+
+
+def _records(module: MultiHeadAttention, x: torch.Tensor) -> bool:
+    """Whether autograd would record the call, as forward judges it: x or any parameter of
+    the module requires grad."""
+    return x.requires_grad or any(p.requires_grad for p in module.parameters())
 
 
 def _module_plan(module: MultiHeadAttention) -> tuple[dict, dict] | None:
@@ -121,6 +149,8 @@ def _module_plan(module: MultiHeadAttention) -> tuple[dict, dict] | None:
     if module.backend != "auto" or not module.causal or (module.training and module.dropout > 0):
         return None
     if module.head_dim % 4 or not _runs_the_python_path_as_is(type(module), type(module.rope)):
+        return None
+    if any(step in module.__dict__ for step in _STEPS):  # a method replaced on the instance
         return None
     return _layers(module)
 
@@ -142,14 +172,13 @@ def _fits(module: MultiHeadAttention, cache: KVCache, batch: int) -> bool:
 
 @functools.cache
 def _runs_the_python_path_as_is(module_class: type, rope_class: type) -> bool:
-    """False for a subclass that overrides a step of the Python path the kernel stands for
-    (projection, heads, attention), or a rotary embedding other than attnlab's: the kernel
-    would not do what they do."""
+    """False for a subclass that overrides a step the kernel stands for (_STEPS: the
+    projection, heads, attention and forward's checks), or a rotary embedding other than
+    attnlab's: the kernel would not do what they do."""
     from attnlab.attention import MultiHeadAttention
     from attnlab.rope import RotaryEmbedding
 
-    steps = ("_attend", "_project", "_split_heads", "_attention_mask")
-    same = all(getattr(module_class, s) is getattr(MultiHeadAttention, s) for s in steps)
+    same = all(getattr(module_class, s) is getattr(MultiHeadAttention, s) for s in _STEPS)
     return same and rope_class in (type(None), RotaryEmbedding)
 
 
@@ -168,12 +197,6 @@ def _layers(module: MultiHeadAttention) -> tuple[dict, dict] | None:
             if param.dtype != torch.float32 or not param.is_cpu or not param.is_contiguous():
                 return None
     return layers[0]._parameters, layers[1]._parameters
-
-
-def _records_grad(x: torch.Tensor, layers: tuple[dict, dict], cache: KVCache) -> bool:
-    if x.requires_grad or cache.records_grad:
-        return True
-    return any(p is not None and p.requires_grad for params in layers for p in params.values())
 
 
 def step(

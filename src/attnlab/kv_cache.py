@@ -103,13 +103,14 @@ class KVCache:
 
     @property
     def keys(self) -> torch.Tensor:
-        """Every slot's key as stored, (b, hkv, capacity, hd) (a copy of the blocked buffer;
-        an int8 cache's unscaled integers: see key_scales)."""
+        """Every slot's key as stored, (b, hkv, capacity, hd): a view for a cache of one
+        block (the default), a copy of the blocks otherwise; an int8 cache's unscaled
+        integers (see key_scales)."""
         return self._tokens(self._keys_t, self.capacity)
 
     @property
     def values(self) -> torch.Tensor:
-        """Every slot's value as stored, (b, hkv, capacity, hd) (a copy, as keys)."""
+        """Every slot's value as stored, (b, hkv, capacity, hd) (a view or a copy, as keys)."""
         return self._tokens(self._values_t, self.capacity)
 
     @property
@@ -151,7 +152,10 @@ class KVCache:
         return held.transpose(-2, -1)
 
     def _pieces(self, buffer: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
-        """Views (b, hkv, hd, m) of the consecutive slots start .. stop - 1, block by block."""
+        """Views (b, hkv, hd, m) of the consecutive slots start .. stop - 1, block by block
+        (0 <= start <= stop <= capacity)."""
+        if not 0 <= start <= stop <= self.capacity:
+            raise ValueError(f"slots {start}..{stop - 1} are not within the {self.capacity} held")
         batch, heads, hd = *buffer.shape[:2], self.head_dim
         pieces, slot = [], start
         while slot < stop or not pieces:
@@ -305,6 +309,8 @@ class KVCache:
         n = k.shape[2]
         start = self.position
         if not self.rolling:
+            if start + n > self.capacity:  # a caller that did not check: refused, not wrapped
+                self.check_room(n)
             self._write(k, v)
             self.position = start + n
             return self._held(start + n, k.dtype)
