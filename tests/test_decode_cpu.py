@@ -494,7 +494,7 @@ def test_a_cache_filled_in_inference_mode_is_not_written_outside_it():
         with torch.inference_mode():
             cache = m.make_cache(1)
             m(torch.randn(1, 3, 8), cache=cache)
-        with torch.no_grad(), pytest.raises(RuntimeError, match="[Ii]nference"):
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"[Ii]nference"):
             m(torch.randn(1, 1, 8), cache=cache)
         return cache.position
 
@@ -507,3 +507,20 @@ def test_append_past_a_full_cache_raises_instead_of_wrapping():
     with pytest.raises(ValueError, match="cannot take 3 more"):
         cache.append(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
     assert cache.position == 3
+
+
+def test_a_jit_trace_never_takes_the_native_step():
+    """A trace would bake the native call's slots into its graph as constants."""
+    m = build(3, 4, 2)
+    x = torch.randn(1, 1, 6)
+    cache = m.make_cache(1)
+    seen = []
+
+    def probe(x):
+        seen.append(decode_cpu.handles(m, x, cache))
+        return x * 2
+
+    with torch.no_grad():
+        seen.append(decode_cpu.handles(m, x, cache))
+        torch.jit.trace(probe, x, check_trace=False)
+    assert seen == [NATIVE, False]

@@ -107,7 +107,8 @@ def handles(module: MultiHeadAttention, x: object, cache: object) -> bool:
     recording gradients, plain nn.Linear projections, the Python path's own steps (no
     subclass overriding them) and rotary embedding, a head_dim that is a multiple of 4
     (the kernel reads four of its rows side by side), a cache of float32, bfloat16 or
-    int8 whose window is the module's; never while torch.compile or export traces."""
+    int8 whose window is the module's; never while torch.compile, export or torch.jit.trace
+    traces."""
     return _plan(module, x, cache) is not None
 
 
@@ -120,7 +121,7 @@ def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, d
         return None
     if x.dtype != torch.float32 or not x.is_cpu or not _fits(module, cache, x.shape[0]):
         return None
-    if torch.compiler.is_compiling():  # the compiler traces the Python path into its graph
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traces take the Python path
         return None
     layers = _module_plan(module)
     if layers is None or _unwritable(cache) or (torch.is_grad_enabled() and _records(module, x)):
