@@ -509,6 +509,7 @@ def test_append_past_a_full_cache_raises_instead_of_wrapping():
     assert cache.position == 3
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_a_jit_trace_never_takes_the_native_step():
     """A trace would bake the native call's slots into its graph as constants."""
     m = build(3, 4, 2)

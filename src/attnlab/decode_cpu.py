@@ -115,13 +115,13 @@ def handles(module: MultiHeadAttention, x: object, cache: object) -> bool:
 def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, dict] | None:
     """The projections' parameters when `handles` holds, else None (attribute reads and
     comparisons only: a decoded token pays this per layer)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traces take the Python path
+        return None
     if type(x) is not torch.Tensor or type(cache) is not KVCache:
         return None
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != module.d_in:
         return None
     if x.dtype != torch.float32 or not x.is_cpu or not _fits(module, cache, x.shape[0]):
-        return None
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traces take the Python path
         return None
     layers = _module_plan(module)
     if layers is None or _unwritable(cache) or (torch.is_grad_enabled() and _records(module, x)):
