@@ -41,8 +41,9 @@ namespace {
 
 // Vec: 8 floats in an AVX2 build, 16 in an AVX-512 one (attnlab._build picks by CPU).
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kMinChunk = 512;  // keys per attention work item, at least (long rows
-                                    // for the prefetcher: each is one head dimension's keys)
+// keys per attention work item, at least: each item pays a fixed cost (its partial sums and
+// their merge, the prefetch of its first block before anything else hides it)
+constexpr int64_t kMinChunk = 512;
 constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
 constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -283,18 +284,6 @@ const float* as_float(const c10::BFloat16* row, float* tmp, int64_t n) {
 const float* as_float(const int8_t* row, float* tmp, int64_t n) {
   for (int64_t t = 0; t < n; ++t) tmp[t] = static_cast<float>(row[t]);
   return tmp;
-}
-
-// y += a * x
-void axpy(float a, const float* x, float* y, int64_t n) {
-  const Vec va(a);
-  int64_t t = 0;
-  for (; t + 2 * Vec::size() <= n; t += 2 * Vec::size()) {
-    at::vec::fmadd(va, Vec::loadu(x + t), Vec::loadu(y + t)).store(y + t);
-    at::vec::fmadd(va, Vec::loadu(x + t + Vec::size()), Vec::loadu(y + t + Vec::size()))
-        .store(y + t + Vec::size());
-  }
-  for (; t < n; ++t) y[t] += a * x[t];
 }
 
 // A vector of cache values as float32: loaded and widened in registers (AVX2, AVX-512), or
