@@ -25,28 +25,16 @@ def main(num_kv_heads: int, context: int) -> None:
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
     read, read_bytes = memory_read()
     stack = decode._stack(768, 12, num_kv_heads, 4096, torch.float32, LAYERS)
-    caches = [module.make_cache(1, 4096) for module in stack]
-    held = torch.randn(1, num_kv_heads, context - 1, 64)  # (b, hkv, t, hd)
-    with torch.no_grad():
-        for cache in caches:
-            cache.update(held, held)
+    caches = decode._filled_caches(stack, 1, 4096, torch.float32)  # cropped by each step
     x = torch.randn(1, 1, 768)  # (b, 1, d)
-    layers = [decode_cpu._layers(module) for module in stack]
+    params = {id(module): decode_cpu._layers(module) for module in stack}
     weights = [(m.qkv_proj.weight.detach(), m.out_proj.weight.detach()) for m in stack]
+    module_step = decode.stack_step(stack, caches, x, context)
 
-    def module_step():
-        hidden = x
-        with torch.no_grad():
-            for module, cache in zip(stack, caches, strict=True):
-                cache.crop(context - 1)
-                hidden = module(hidden, cache=cache)
+    def native_call(module, hidden, cache):  # no module call, no gate
+        return decode_cpu.step(module, hidden, cache, context - 1, params[id(module)])
 
-    def native_step():
-        hidden = x
-        with torch.no_grad():
-            for module, cache, params in zip(stack, caches, layers, strict=True):
-                cache.crop(context - 1)
-                hidden = decode_cpu.step(module, hidden, cache, context - 1, params)
+    native_step = decode.stack_step(stack, caches, x, context, layer=native_call)
 
     def linear():
         row = x[:, 0]  # (b, d)
@@ -58,10 +46,10 @@ def main(num_kv_heads: int, context: int) -> None:
     cold = {"module", "native", "linear"}
     times = interleaved_medians(candidates, rounds=3, min_run_time=0.3, cold=cold, flush=read)
     bandwidth = read_bytes / times["read"]
-    step_bytes = decode._weight_bytes(stack[0]) + 2 * context * num_kv_heads * 64 * 4
+    floor = decode._floor(stack[0], context, bandwidth)
     print(
         f"{num_kv_heads} key/value heads, context {context}, {bandwidth / 1e9:.1f} GB/s; "
-        f"ms per layer: floor {step_bytes / bandwidth * 1e3:.3f}, "
+        f"ms per layer: floor {floor * 1e3:.3f}, "
         f"F.linear {times['linear'] / LAYERS * 1e3:.3f}, "
         f"native call {times['native'] / LAYERS * 1e3:.3f}, "
         f"module step {times['module'] / LAYERS * 1e3:.3f}"

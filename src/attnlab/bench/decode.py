@@ -196,6 +196,27 @@ def _cache_bytes_read(module: MultiHeadAttention, tokens: int, dtype: torch.dtyp
     return 2 * tokens * module.kv_dim * dtype.itemsize
 
 
+def stack_step(modules, caches, x: torch.Tensor, context: int, layer=None):
+    """A call that decodes x (b, 1, d) at position context - 1 through every layer of the
+    stack, each cache cropped to context - 1 tokens first (the timed step); `layer(module,
+    hidden, cache)` is the call per layer (default module(hidden, cache=cache))."""
+    layer = layer or _cached_call
+
+    def every_layer():
+        hidden = x
+        with torch.no_grad():
+            for module, cache in zip(modules, caches, strict=True):
+                cache.crop(context - 1)
+                hidden = layer(module, hidden, cache)
+        return hidden
+
+    return every_layer
+
+
+def _cached_call(module: MultiHeadAttention, hidden: torch.Tensor, cache) -> torch.Tensor:
+    return module(hidden, cache=cache)
+
+
 def _decode_steps(modules: Sequence[MultiHeadAttention], context: int):
     """Appending token `context` - 1 to caches holding the tokens before it: through the
     first layer alone, through every layer (the timed step), and the first layer's output
@@ -214,13 +235,7 @@ def _decode_steps(modules: Sequence[MultiHeadAttention], context: int):
             caches[0].crop(context - 1)
             return first(x[:, -1:], cache=caches[0])
 
-    def every_layer():
-        hidden = x[:, -1:]  # (b, 1, d)
-        with torch.no_grad():
-            for module, cache in zip(modules, caches, strict=True):
-                cache.crop(context - 1)
-                hidden = module(hidden, cache=cache)
-        return hidden
+    every_layer = stack_step(modules, caches, x[:, -1:], context)
 
     def recompute():
         with torch.no_grad():
@@ -267,15 +282,7 @@ def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheR
     cropped to context - 1 tokens before each layer's call)."""
     first, batch = modules[0], caches[0].batch_size
     x = torch.randn(batch, 1, first.d_in, dtype=first.out_proj.weight.dtype)  # (b, 1, d)
-
-    def every_layer():
-        hidden = x
-        with torch.no_grad():
-            for module, cache in zip(modules, caches, strict=True):
-                cache.crop(context - 1)
-                hidden = module(hidden, cache=cache)
-        return hidden
-
+    every_layer = stack_step(modules, caches, x, context)
     read, read_bytes = reader
     times = interleaved_medians(
         {"cached": every_layer, "read": read},
