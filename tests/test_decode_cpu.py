@@ -200,11 +200,14 @@ class _ShiftedQueries(MultiHeadAttention):
 def test_a_subclass_that_changes_the_python_path_decodes_through_it():
     torch.manual_seed(9)
     m = _ShiftedQueries(6, 16, 24, 0.0, 4, num_kv_heads=2, rope=True).eval()
-    x = torch.randn(2, 9, 6)
+    _decodes_through_its_own_steps(m, torch.randn(2, 9, 6))
+
+
+def _decodes_through_its_own_steps(m, x):
+    """Token-by-token decoding of x takes the Python path and equals m's full forward."""
     with torch.no_grad():
-        cache = m.make_cache(2)
-        assert not decode_cpu.handles(m, x[:, :1], cache)
-        decoded = torch.cat([m(x[:, t : t + 1], cache=cache) for t in range(9)], dim=1)
+        assert not decode_cpu.handles(m, x[:, :1], m.make_cache(x.shape[0]))
+        decoded, _ = decode(m, x, torch.float32)
         torch.testing.assert_close(decoded, m(x), rtol=1e-5, atol=1e-5)
 
 
@@ -455,12 +458,7 @@ def test_a_method_replaced_on_the_instance_decodes_through_it():
         return q + 0.5, k, v
 
     m._project = shifted
-    x = torch.randn(1, 7, 6)
-    with torch.no_grad():
-        cache = m.make_cache(1)
-        assert not decode_cpu.handles(m, x[:, :1], cache)
-        decoded = torch.cat([m(x[:, t : t + 1], cache=cache) for t in range(7)], dim=1)
-        torch.testing.assert_close(decoded, m(x), rtol=1e-5, atol=1e-5)
+    _decodes_through_its_own_steps(m, torch.randn(1, 7, 6))
 
 
 def test_buffers_autograd_saved_are_never_written_behind_its_back():
