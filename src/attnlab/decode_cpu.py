@@ -124,7 +124,9 @@ def _plan(module: MultiHeadAttention, x: object, cache: object) -> tuple[dict, d
     if x.dtype != torch.float32 or not x.is_cpu or not _fits(module, cache, x.shape[0]):
         return None
     layers = _module_plan(module)
-    if layers is None or _unwritable(cache) or (torch.is_grad_enabled() and _records(module, x)):
+    if layers is None or _unwritable(cache):
+        return None
+    if torch.is_grad_enabled() and module._records_grad(x):  # as forward judges it
         return None
     return layers if available() else None
 
@@ -137,12 +139,6 @@ def _unwritable(cache: KVCache) -> bool:
     if cache.records_grad:
         return True
     return cache.keys_t.is_inference() and not torch.is_inference_mode_enabled()
-
-
-def _records(module: MultiHeadAttention, x: torch.Tensor) -> bool:
-    """Whether autograd would record the call, as forward judges it: x or any parameter of
-    the module requires grad."""
-    return x.requires_grad or any(p.requires_grad for p in module.parameters())
 
 
 def _module_plan(module: MultiHeadAttention) -> tuple[dict, dict] | None:
