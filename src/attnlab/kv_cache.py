@@ -372,26 +372,25 @@ class KVCache:
         move). Out of place under autograd, so that saved tensors stay as autograd saw them."""
         n = k.shape[2]
         first = self.position if first is None else first
-        slots = torch.arange(first, first + n, device=k.device) % self.capacity
         grad = self._records_grad(k, v)
+        slots = columns = None  # the slots written, and where they are in a buffer
+        if grad or self._key_scales is not None:
+            slots = torch.arange(first, first + n, device=k.device) % self.capacity
+        if grad:
+            columns = self._columns(slots).flatten()  # in the order of (hd, n)
         for name, x in (("keys", k), ("values", v)):
             stored, scales = self._encode(x)  # (b, hkv, hd, n), (b, hkv, n) or None
             buffer_name, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
             buffer = getattr(self, buffer_name)
             if grad:
-                # (b, hkv, hd, n) -> (b, hkv, hd * n), in the order of _columns(slots)
-                flat = stored.reshape(*stored.shape[:2], -1)
-                setattr(
-                    self, buffer_name, buffer.index_copy(2, self._columns(slots).flatten(), flat)
-                )
+                flat = stored.reshape(*stored.shape[:2], -1)  # (b, hkv, hd, n) -> (b, hkv, hd * n)
+                setattr(self, buffer_name, buffer.index_copy(2, columns, flat))
             else:
                 self._copy_in(buffer, first, stored)
             if scales is not None:
                 old = getattr(self, scales_name)
-                new = (
-                    old.index_copy(2, slots, scales) if grad else old.index_copy_(2, slots, scales)
-                )
-                setattr(self, scales_name, new)
+                put = old.index_copy if grad else old.index_copy_
+                setattr(self, scales_name, put(2, slots, scales))
 
     def _copy_in(self, buffer: torch.Tensor, first: int, stored: torch.Tensor) -> None:
         """stored (b, hkv, hd, n) copied in place into the n slots from `first` on (wrapping
