@@ -44,11 +44,11 @@ AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 def vector_flags(wide: bool = False) -> list[str]:
     """Compiler flags for ATen's vector types on this CPU (see `vectorised`): AVX2, or with
     `wide` AVX-512 where PyTorch runs its own AVX-512 kernels on this CPU."""
-    if wide and vectorised() and torch.backends.cpu.get_cpu_capability() == "AVX512":
+    if not vectorised():
+        return ["-DCPU_CAPABILITY=DEFAULT"]
+    if wide and torch.backends.cpu.get_cpu_capability() == "AVX512":
         return [*AVX512_FLAGS, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if vectorised():
-        return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return ["-DCPU_CAPABILITY=DEFAULT"]
+    return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 
 
 def cflags(wide: bool = False) -> list[str]:
