@@ -11,7 +11,7 @@ transformers = pytest.importorskip(
 )
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
 
-from attnlab import MultiHeadAttention  # noqa: E402
+from attnlab import MultiHeadAttention, functional  # noqa: E402
 from attnlab.interop import hf  # noqa: E402
 
 hf.register()
@@ -43,20 +43,48 @@ CONFIGS = {
 
 
 def _pair(kind):
-    """An eager model and an attnlab one with the same random weights."""
+    """An eager model and an attnlab one with the same random weights, each built from its
+    own config (transformers 5.24 writes attn_implementation into the config it is given),
+    each checked to run the implementation asked for."""
     torch.manual_seed(0)
-    config = CONFIGS[kind]()
-    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    ours = AutoModelForCausalLM.from_config(config, attn_implementation="attnlab").eval()
+    eager = AutoModelForCausalLM.from_config(CONFIGS[kind](), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(CONFIGS[kind](), attn_implementation="attnlab")
     ours.load_state_dict(eager.state_dict())
-    assert ours.config._attn_implementation == "attnlab"
-    return eager, ours
+    assert _implementations(eager) == {"eager"} and _implementations(ours) == {"attnlab"}
+    assert _attnlab_calls(eager) == 0 < _attnlab_calls(ours)
+    return eager.eval(), ours.eval()
+
+
+def _implementations(model) -> set:
+    """The attn_implementation of every config object the model's modules hold."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    return {c._attn_implementation for c in configs.values()}
+
+
+def _attnlab_calls(model) -> int:
+    """How many times one forward of 3 tokens calls attnlab.functional.attention."""
+    calls, original = [], functional.attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    functional.attention = counting
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[3, 4, 5]]))
+    finally:
+        functional.attention = original
+    return len(calls)
 
 
 def _left_padded(batch=3, tokens=40):
+    """Ids (batch, tokens) and a left-padding mask: row 1 loses a sixth of its tokens, row
+    2 five eighths; every row keeps real tokens (a row of padding only has no key to attend
+    to, where eager averages the padding and attnlab gives zeros: no model reads it)."""
     ids = torch.randint(1, 100, (batch, tokens), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(batch, tokens, dtype=torch.long)
-    mask[1, :7], mask[2, :25] = 0, 0
+    mask[1, : tokens // 6], mask[2, : tokens * 5 // 8] = 0, 0
     return ids.masked_fill(mask == 0, 0), mask
 
 
@@ -280,21 +308,135 @@ def _balanced_call(source: str, start: int) -> str:
 # Models that bypass the interface: refused when built or switched, never silently changed.
 
 
-@pytest.mark.parametrize(
-    ("model_type", "classes"),
-    [("bloom", "BloomAttention"), ("gptj", "GPTJAttention"), ("falcon", "FalconAttention")],
-)
-def test_a_model_that_bypasses_the_interface_is_refused_when_built(model_type, classes):
+# Which models bypass the interface is probed on the installed transformers, independently of
+# hf's reading of the modeling source: one forward of the model built with a spying
+# implementation, watching for attention computed outside it.
+
+BYPASS_CANDIDATES = ("bloom", "codegen", "falcon", "gpt_neox", "gptj", "opt", "xglm")
+TOKENS = 7  # no config dimension of the small models is 7: a softmax over 7 keys is attention
+
+
+def _attention_outside_the_interface(model_type: str) -> bool:
+    """True when one forward of the small model runs a softmax or SDPA over the tokens
+    outside transformers' attention interface (built with a spying implementation that
+    delegates to SDPA; a model that cannot be built with a registered implementation at all
+    is watched under "eager")."""
+    from torch.overrides import TorchFunctionMode
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    inside, outside = [False], []
+
+    def spy(*args, **kwargs):
+        inside[0] = True
+        try:
+            return sdpa_attention_forward(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    attention = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax}
+    attention.add(torch.nn.functional.scaled_dot_product_attention)
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in attention and not inside[0] and args[0].shape[-1] == TOKENS:
+                outside.append(func)
+            return func(*args, **(kwargs or {}))
+
+    AttentionInterface.register("spy", spy)
+    AttentionMaskInterface.register("spy", sdpa_mask)
+    try:
+        model = _build(model_type, "spy")
+    except KeyError:  # Falcon: no registered implementation at all, only its own paths
+        model = _build(model_type, "eager")
+    with torch.no_grad(), Watch():
+        model(torch.arange(3, 3 + TOKENS)[None])
+    return bool(outside)
+
+
+def _build(model_type: str, implementation: str):
     from attnlab.interop import coverage
 
     config = coverage.small_config(model_type)
-    with pytest.raises(ValueError, match=rf"ForCausalLM computes attention in {classes}"):
-        AutoModelForCausalLM.from_config(config, attn_implementation="attnlab")
-    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    assert any(name.startswith(classes) for name in hf.bypassing_classes(eager))
-    with pytest.raises(ValueError, match="without transformers' attention interface"):
-        eager.set_attn_implementation("attnlab")
-    assert eager.config._attn_implementation == "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", BYPASS_CANDIDATES)
+def test_attnlab_refuses_exactly_the_models_that_compute_attention_outside_the_interface(
+    model_type,
+):
+    if _attention_outside_the_interface(model_type):
+        with pytest.raises(ValueError, match=r"ForCausalLM computes attention in .* without"):
+            _build(model_type, "attnlab")
+        eager = _build(model_type, "eager")
+        assert hf.bypassing_classes(eager)
+        with pytest.raises(ValueError, match="without transformers' attention interface"):
+            eager.set_attn_implementation("attnlab")
+        assert _implementations(eager) == {"eager"}
+    else:
+        model = _build(model_type, "attnlab")
+        assert hf.bypassing_classes(model) == [] and _implementations(model) == {"attnlab"}
+        assert _attnlab_calls(model) > 0
+
+
+def test_the_probe_sees_a_bypassing_model_and_one_on_the_interface():
+    """The probe itself can tell the two apart on the installed transformers (else the test
+    above would check one side only)."""
+    seen = {_attention_outside_the_interface(t) for t in BYPASS_CANDIDATES}
+    if seen != {True, False}:
+        pytest.skip(
+            f"on transformers {transformers.__version__} every candidate is on one side "
+            f"(bypasses: {seen == {True}}): add a model of the other side to BYPASS_CANDIDATES"
+        )
+
+
+@pytest.mark.parametrize("how", ["plain", "wraps", "partial", "marker"])
+def test_a_wrapper_of_attnlabs_function_under_another_name_is_refused_too(how):
+    """A logging wrapper registered under its own name still runs attnlab: Bloom built with it
+    is refused, as with "attnlab"."""
+    import functools
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    forward = hf.attention_forward
+
+    def logged(*args, **kwargs):  # a closure over attnlab's function, no functools.wraps
+        return forward(*args, **kwargs)
+
+    def marked(*args, **kwargs):
+        return hf.functional.attention(*args, **kwargs)
+
+    marked.__attnlab_attention__ = True
+    wrappers = {
+        "plain": logged,
+        "wraps": functools.wraps(forward)(lambda *a, **k: forward(*a, **k)),
+        "partial": functools.partial(forward, dropout=0.0),
+        "marker": marked,
+    }
+    AttentionInterface.register(f"logged_{how}", wrappers[how])
+    AttentionMaskInterface.register(f"logged_{how}", sdpa_mask)
+    with pytest.raises(ValueError, match="BloomForCausalLM computes attention in BloomAttention"):
+        _build("bloom", f"logged_{how}")
+    assert hf.is_attnlab_attention(wrappers[how])
+
+
+def test_a_function_that_is_not_attnlabs_is_not_taken_for_it():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    assert not hf.is_attnlab_attention(sdpa_attention_forward)
+    assert not hf.is_attnlab_attention(lambda *a, **k: functional.attention(*a, **k))
+
+    def logged_sdpa(*args, **kwargs):
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("logged_other", logged_sdpa)
+    AttentionMaskInterface.register("logged_other", sdpa_mask)
+    _build("bloom", "logged_other")  # built: not attnlab's ("sdpa" in a name meets HF's check)
 
 
 def test_models_on_the_interface_have_no_bypassing_classes_and_the_guard_is_installed_once():
@@ -305,50 +447,6 @@ def test_models_on_the_interface_have_no_bypassing_classes_and_the_guard_is_inst
     assert post_init._attnlab_guard and not hasattr(post_init.__wrapped__, "_attnlab_guard")
     eager.set_attn_implementation("attnlab")  # allowed: llama uses the interface
     assert eager.config._attn_implementation == "attnlab"
-
-
-# The coverage tool (scripts/hf_coverage.py writes docs/hf-coverage.md) on a slice.
-
-SLICE = {
-    "gpt2": ("equal", ""),
-    "llama": ("equal", ""),
-    "mistral": ("equal", ""),
-    "bert": ("equal", ""),
-    "bart": ("equal", ""),
-    "t5": ("equal", ""),  # position_bias, added to the mask
-    "bloom": ("refused", "BloomAttention"),
-    "gpt_oss": ("equal", ""),  # s_aux: attention sinks
-    "gemma2": ("equal", ""),  # softcap
-    "nllb-moe": ("refused", "_supports_sdpa is False"),  # its decoder is not marked causal
-    "deepseek_v4": ("refused", "_supports_sdpa is False"),  # pads its mask with a float bias
-}
-
-
-@pytest.mark.parametrize("model_type", sorted(SLICE))
-def test_coverage_slice(model_type):
-    from attnlab.interop import coverage
-
-    row = coverage.compare(model_type)
-    status, reason = SLICE[model_type]
-    assert (row.status, row.architecture) == (status, model_type), row
-    assert reason in row.detail
-    if status == "equal":
-        assert row.max_diff <= coverage.TOLERANCE and row.detail == ""
-    assert f"| {model_type} | {status}" in coverage.table([row])
-
-
-def test_coverage_catches_a_wrong_attention(monkeypatch):
-    """The comparison can fail: attnlab losing its mask differs from eager."""
-    from attnlab.interop import coverage
-
-    arguments = hf.attention_arguments
-
-    def no_mask(*args):
-        return arguments(*args) | {"mask": None}
-
-    monkeypatch.setattr(hf, "attention_arguments", no_mask)
-    row = coverage.compare("gpt2")
-    assert row.status == "differs" and "left padding" in row.detail, row
 
 
 # Implemented keywords against the eager function of a model that passes each: outputs and
@@ -414,3 +512,41 @@ def test_an_implemented_keyword_equals_the_models_eager_function(name):
         strict=True,
     ):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+# The equality tests above can fail: each one run against a sabotaged attnlab (its attention
+# output, and the weights it returns, times 3) must fail.
+
+SABOTAGED = [
+    *(
+        pytest.param(test, (kind,), id=f"{test.__name__}[{kind}]")
+        for test, kind in [
+            (test_logits_equal_eager, "gpt2"),
+            (test_logits_equal_eager, "llama"),
+            (test_left_padded_batch_equals_eager_on_real_tokens, "gpt2"),
+            (test_left_padded_batch_equals_eager_on_real_tokens, "llama"),
+            (test_generate_with_its_cache_equals_eager, "gpt2"),
+            (test_generate_with_its_cache_equals_eager, "llama"),
+            (test_output_attentions, "gpt2"),
+            (test_output_attentions, "llama"),
+            (test_a_carried_keyword_changes_nothing_and_eager_ignores_it_too, "sliding_window"),
+            (test_an_implemented_keyword_equals_the_models_eager_function, "softcap"),
+        ]
+    ),
+    pytest.param(test_generate_with_a_static_cache_equals_eager, (), id="static_cache"),
+]
+
+
+@pytest.mark.parametrize(("test", "arguments"), SABOTAGED)
+def test_each_equality_test_fails_on_a_sabotaged_attnlab(test, arguments, monkeypatch):
+    original = functional.attention
+
+    def times_three(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if isinstance(result, tuple):  # (output, weights)
+            return tuple(part * 3 if part is not None else None for part in result)
+        return result * 3
+
+    monkeypatch.setattr(functional, "attention", times_three)
+    with pytest.raises(AssertionError):
+        test(*arguments)

@@ -16,8 +16,10 @@ Right or refused, never silently wrong:
   (NOT_YET: sparse key selection, paged caches);
   an unknown keyword is refused too. `attention_arguments` is the one place that maps
   transformers' keywords to attention()'s.
-- a model whose attention does not go through the interface (Bloom, GPT-J, Falcon, ...)
-  is refused when it is built or switched to attnlab (see `bypassing_classes`).
+- a model whose attention does not go through the interface (Bloom, Falcon, ... on
+  transformers 5.24) is refused when it is built or switched to attnlab (see
+  `bypassing_classes`), also where attnlab's function is registered under another name or
+  wrapped (see `is_attnlab_attention`).
 
 Shapes from transformers: query (b, h, tq, d), key and value (b, hkv, tk, d) (grouped-query
 heads are passed unrepeated); the output goes back as (b, tq, h, d).
@@ -38,6 +40,7 @@ from attnlab import functional, qkv
 from attnlab.attention import MultiHeadAttention
 
 NAME = "attnlab"
+MARKER = "__attnlab_attention__"  # on attention_forward; functools.wraps copies it
 
 # transformers' keywords attnlab need not act on: what each carries is already in the mask,
 # in query and key, or outside attention. Each one has a test: attnlab == eager with it.
@@ -156,6 +159,9 @@ def attention_forward(
     if weights is not None and weights.shape[-1] < tk:  # the cut keys weigh nothing
         weights = F.pad(weights, (0, tk - weights.shape[-1]))  # (b, h, tq, tk)
     return out.transpose(1, 2).contiguous(), weights  # (b, h, tq, d) -> (b, tq, h, d)
+
+
+setattr(attention_forward, MARKER, True)
 
 
 def attention_arguments(
@@ -306,14 +312,66 @@ def _source(obj: object) -> str:
 
 def _uses_attnlab(implementation: object) -> bool:
     """True when an attn_implementation (a name, or a dict of them per sub-config) asks for
-    attnlab's attention_forward under any registered name."""
+    attnlab's attention_forward, or a wrapper of it, under any registered name."""
     if isinstance(implementation, dict):
         return any(_uses_attnlab(value) for value in implementation.values())
+    if not isinstance(implementation, str):
+        return False
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return isinstance(implementation, str) and (
-        ALL_ATTENTION_FUNCTIONS.get(implementation) is attention_forward
-    )
+    function = ALL_ATTENTION_FUNCTIONS.get(implementation.removeprefix("paged|"))
+    return function is not None and is_attnlab_attention(function)
+
+
+_WRAPPER_DEPTH = 4  # wrappers of wrappers followed before a function counts as not attnlab's
+
+
+def is_attnlab_attention(function: object) -> bool:
+    """True when `function` is attnlab's attention_forward or a wrapper of it, so that a
+    model built with it is guarded like one built with "attnlab".
+
+    Recognised, up to four wrappers deep: attention_forward itself; anything carrying the
+    marker attribute `__attnlab_attention__` (functools.wraps copies it); a `__wrapped__`
+    chain; a functools.partial; a bound method's function; and a plain function that names
+    attnlab's function among its closure variables or the globals its code reads
+    (`def logged(*a, **k): return fn(*a, **k)`). A function that looks attnlab's up at call
+    time (from the interface, by name) cannot be recognised before it runs.
+
+    Args:
+        function: a callable registered in transformers' AttentionInterface.
+
+    Returns:
+        Whether it runs attnlab's attention.
+    """
+    return _reaches_attnlab(function, _WRAPPER_DEPTH, set())
+
+
+def _reaches_attnlab(function: object, depth: int, seen: set[int]) -> bool:
+    if function is attention_forward or getattr(function, MARKER, False) is True:
+        return True
+    if depth == 0 or id(function) in seen or not callable(function):
+        return False
+    seen.add(id(function))
+    return any(_reaches_attnlab(inner, depth - 1, seen) for inner in _wrapped_by(function))
+
+
+def _wrapped_by(function: object) -> list:
+    """The callables `function` may delegate to: its __wrapped__, a partial's func, a bound
+    method's __func__, its closure's callables and the callable globals its code names."""
+    inner = [getattr(function, name, None) for name in ("__wrapped__", "func", "__func__")]
+    code, namespace = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    cells = getattr(function, "__closure__", None) or ()
+    inner += [_cell_contents(cell) for cell in cells]
+    if code is not None:
+        inner += [namespace.get(name) for name in code.co_names]
+    return [f for f in inner if callable(f) and not isinstance(f, type)]
+
+
+def _cell_contents(cell) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _refuse(model_class: type, classes: tuple[str, ...] | list[str]) -> None:
