@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from attnlab import decode_cpu
+from attnlab import decode_cpu, plan
 from attnlab.bench import decode
 from attnlab.bench.timing import interleaved_medians, memory_read
 
@@ -27,12 +27,14 @@ def main(num_kv_heads: int, context: int) -> None:
     stack = decode._stack(768, 12, num_kv_heads, 4096, torch.float32, LAYERS)
     caches = decode._filled_caches(stack, 1, 4096, torch.float32)  # cropped by each step
     x = torch.randn(1, 1, 768)  # (b, 1, d)
-    params = {id(module): decode_cpu._layers(module) for module in stack}
+    params = {id(module): plan.native_module(module) for module in stack}
     weights = [(m.qkv_proj.weight.detach(), m.out_proj.weight.detach()) for m in stack]
     module_step = decode.stack_step(stack, caches, x, context)
 
-    def native_call(module, hidden, cache):  # no module call, no gate
-        return decode_cpu.step(module, hidden, cache, context - 1, params[id(module)])
+    def native_call(module, hidden, cache):  # no module call, no checks, no plan
+        qkv, out = params[id(module)]  # the cache is at position context - 1 (stack_step)
+        scale = module.head_dim**-0.5
+        return decode_cpu.step(hidden, qkv, out, module.rope, module.num_heads, scale, cache, None)
 
     native_step = decode.stack_step(stack, caches, x, context, layer=native_call)
 

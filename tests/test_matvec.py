@@ -1,12 +1,17 @@
-"""attnlab.matvec.project: the blocked matrix product for a few rows equals the layer's
-own forward, values and gradients, and steps aside for layers it must not bypass."""
+"""attnlab.matvec.linear, as attnlab.plan.project takes it: the blocked matrix product for a
+few rows equals the layer's own forward, values and gradients, and steps aside for layers it
+must not bypass (hooks local or global, forward or backward; subclasses)."""
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab.matvec import project
+from attnlab import matvec, plan
+
+
+def project(x, layer):
+    return plan.project(x, layer, tuple(layer.weight.shape))
 
 
 @given(
@@ -52,3 +57,40 @@ def test_a_non_contiguous_weight_still_gives_the_layer_output():
         layer.weight = nn.Parameter(torch.randn(8, 12).t())  # (12, 8), column-major
     x = torch.randn(2, 8)
     torch.testing.assert_close(project(x, layer), layer(x))
+
+
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 32), bias=st.booleans())
+def test_the_blocked_product_itself_equals_f_linear(seed, rows, bias):
+    torch.manual_seed(seed)
+    weight, x = torch.randn(12, 7), torch.randn(rows, 7)
+    b = torch.randn(12) if bias else None
+    assert matvec.helps(x, weight)
+    torch.testing.assert_close(
+        matvec.linear(x, weight, b), nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_global_forward_hook_is_honoured_on_few_rows():
+    layer = nn.Linear(8, 8)
+    x = torch.randn(6, 8)
+    hook = nn.modules.module.register_module_forward_hook(lambda m, a, out: out * 0 + 7)
+    try:
+        torch.testing.assert_close(project(x, layer), torch.full((6, 8), 7.0))
+    finally:
+        hook.remove()
+    torch.testing.assert_close(project(x, layer), layer(x))
+
+
+def test_a_full_backward_hook_fires_on_few_rows():
+    layer = nn.Linear(8, 8)
+    seen = []
+    layer.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(grad_out[0]))
+    x = torch.randn(3, 8, requires_grad=True)
+    project(x, layer).sum().backward()
+    assert len(seen) == 1 and seen[0].shape == (3, 8)
+
+
+def test_a_bias_of_the_wrong_shape_is_not_broadcast():
+    layer = nn.Linear(8, 12)
+    layer.bias = nn.Parameter(torch.randn(4))
+    assert not plan.blocked_projection(torch.randn(6, 8), layer, (12, 8))

@@ -10,12 +10,13 @@ hd = d_out / num_heads; the output is (b, tq, d_out).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
-from attnlab import decode_cpu, functional, masks, qkv
+from attnlab import decode_cpu, functional, masks, plan, qkv
 from attnlab._validate import (
     check_bool,
     check_device,
@@ -28,7 +29,6 @@ from attnlab._validate import (
     check_tensor,
 )
 from attnlab.kv_cache import BLOCK_TOKENS, KVCache
-from attnlab.matvec import project
 from attnlab.rope import RotaryEmbedding, check_base
 
 _CACHED_MASK = "(batch, heads, queries, positions so far)"
@@ -217,10 +217,10 @@ class MultiHeadAttention(nn.Module):
             ValueError: batch_size or max_tokens is not a positive int.
             TypeError: dtype is neither floating-point nor torch.int8.
         """
-        weight = self.out_proj.weight
+        weight = self._parameter()
         dtype = weight.dtype if dtype is None else dtype  # KVCache checks it
         device = weight.device if device is None else check_device("device", device)
-        native = decode_cpu.reads(self, dtype, device)
+        native = plan.native_module(self) is not None and decode_cpu.reads(dtype, device)
         return KVCache(
             batch_size,
             self.context_length if max_tokens is None else max_tokens,
@@ -267,11 +267,7 @@ class MultiHeadAttention(nn.Module):
                 non-finite input, a mask that does not fit, or a backend that cannot run
                 the call (the message says which).
         """
-        if cache is not None and context is None and mask is None and need_weights is False:
-            out = decode_cpu.try_step(self, x, cache)  # where every check below would pass
-            if out is not None:
-                return out
-        x = self._check_input("x", x, self.d_in, batch=None)
+        x = self._check_input("x", x, self.d_in, batch=None, finite=False)
         check_bool("need_weights", need_weights)
         start = self._start_position(x, context, cache)
         if context is not None:
@@ -286,10 +282,26 @@ class MultiHeadAttention(nn.Module):
             head_dims=(self.head_dim,),
             mask=mask,
         )
+        self._check_layers(start, x.shape[1], context)
+        if cache is not None and context is None and mask is None and not need_weights:
+            out = self._native_step(x, cache)
+            if out is not None:
+                return out
+        self._check_finite("x", x)
         if cache is None:
             return self._attend(x, context, mask, need_weights, start, None)
         with cache.transaction(x.shape[1]):  # a call that raises leaves the cache as it was
             return self._attend(x, context, mask, need_weights, start, cache)
+
+    def _native_step(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The native decode step's output where the call plan takes it (attnlab.plan), else
+        None; None too, with nothing written, when x is not finite (then _check_finite
+        raises forward's error)."""
+        layers = plan.native_decode(self, x, cache)
+        if layers is None:
+            return None
+        scale = 1.0 / math.sqrt(self.head_dim)
+        return decode_cpu.step(x, *layers, self.rope, self.num_heads, scale, cache, self.window)
 
     def _attend(
         self,
@@ -325,7 +337,7 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if need_weights else (result, None)
         b, tq = x.shape[:2]
         out = out.transpose(1, 2).reshape(b, tq, self.d_out)  # (b, h, tq, hd) -> (b, tq, d_out)
-        out = project(out, self.out_proj)  # (b, tq, d_out)
+        out = self._call("out_proj", out)  # (b, tq, out_proj's width)
         if not need_weights:
             return out
         if key_positions is not None:  # a rolling cache's slots: back in position order
@@ -383,6 +395,12 @@ class MultiHeadAttention(nn.Module):
                 "an int8 cache stores rounded keys and values, through which no gradient flows: "
                 "decode under torch.no_grad(), or use a floating-point cache"
             )
+        if _inference_outside(cache.keys_t):
+            raise ValueError(
+                "the cache was made under torch.inference_mode(), whose tensors cannot be "
+                "written outside it: decode under inference_mode too, or make the cache "
+                "outside it"
+            )
         if cache.batch_size != x.shape[0]:
             raise ValueError(
                 f"x has batch size {x.shape[0]} but the cache holds {cache.batch_size} sequences"
@@ -434,13 +452,64 @@ class MultiHeadAttention(nn.Module):
                 f"({self.context_dim}) != d_in ({self.d_in}): pass context"
             )
         if context is None:
-            qkv = self._split_heads(project(x, self.qkv_proj), -1)  # (b, h + 2 hkv, t, hd)
+            qkv = self._split_heads(self._call("qkv_proj", x), -1)  # (b, h + 2 hkv, t, hd)
             return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        w = self.qkv_weights()
-        q = nn.functional.linear(x, w.q_weight, w.q_bias)  # (b, tq, d_out)
-        k = nn.functional.linear(context, w.k_weight, w.k_bias)  # (b, tk, kv_dim)
-        v = nn.functional.linear(context, w.v_weight, w.v_bias)
+        if self.fused:  # cross-attention through the fused rows: queries of x, keys of context
+            q = self._call("qkv_proj", x)[..., : self.d_out]  # (b, tq, d_out)
+            k, v = self._call("qkv_proj", context)[..., self.d_out :].chunk(2, dim=-1)
+        else:
+            q = self._call("q_proj", x)  # (b, tq, d_out)
+            k, v = self._call("kv_proj", context).chunk(2, dim=-1)  # (b, tk, kv_dim) each
         return tuple(self._split_heads(t, -1) for t in (q, k, v))
+
+    def _projections(self) -> dict[str, tuple[int | None, int]]:
+        """Each projection's name and the (out, in) features it must map (out None: any
+        width, for out_proj, whose output is the module's)."""
+        if self.fused:
+            qkv_shapes = {"qkv_proj": (self.d_out + 2 * self.kv_dim, self.d_in)}
+        else:
+            qkv_shapes = {
+                "q_proj": (self.d_out, self.d_in),
+                "kv_proj": (2 * self.kv_dim, self.context_dim),
+            }
+        return {**qkv_shapes, "out_proj": (None, self.d_out)}
+
+    def _call(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The projection `name` of x (..., in), as calling it gives (attnlab.plan.project),
+        its output width checked against what the module needs."""
+        width, _ = self._projections()[name]
+        layer = self._modules[name]
+        y = plan.project(x, layer, (width, x.shape[-1]))
+        if (
+            not isinstance(y, torch.Tensor)
+            or y.shape[:-1] != x.shape[:-1]
+            or (width is not None and y.shape[-1] != width)
+        ):
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            want = (*x.shape[:-1], "any" if width is None else width)
+            raise ValueError(
+                f"{name} ({type(layer).__name__}) returned {got} for input {tuple(x.shape)}; "
+                f"this module needs {want}"
+            )
+        return y
+
+    def _check_layers(self, start: int, tokens: int, context: torch.Tensor | None) -> None:
+        """The projections and rotary tables the call will use fit the module: an nn.Linear
+        (or subclass) put in a projection's place maps the features the module needs, with a
+        bias of its output width; the rope tables cover the call's positions."""
+        for name, (width, features) in self._projections().items():
+            _check_projection(name, self._modules.get(name), width, features)
+        if self.rope is None or context is not None:
+            return
+        rope = self.rope
+        if not isinstance(rope, RotaryEmbedding):
+            raise TypeError(f"rope must be an attnlab RotaryEmbedding, got {type(rope).__name__}")
+        rows, features = rope.cos.shape
+        if features != self.head_dim or start + tokens > rows:
+            raise ValueError(
+                f"rope's tables hold {rows} positions of {features} features; this call needs "
+                f"positions {start}..{start + tokens - 1} of head_dim ({self.head_dim})"
+            )
 
     def qkv_weights(self) -> qkv.QKVWeights:
         """The query, key and value projections as views of whichever layout stores them.
@@ -489,18 +558,63 @@ class MultiHeadAttention(nn.Module):
         # (b, t, heads * hd) -> (b, t, heads, hd) -> (b, heads, t, hd)
         return projected.view(b, t, heads, self.head_dim).transpose(1, 2)
 
-    def _check_input(self, name: str, x: object, width: int, *, batch: int | None) -> torch.Tensor:
+    def _check_input(
+        self, name: str, x: object, width: int, *, batch: int | None, finite: bool = True
+    ) -> torch.Tensor:
         width_name = "d_in" if name == "x" else "context_dim"
         layout = f"(batch, tokens, {width_name})"
         x = check_tensor(
             name, x, ndims=(3,), layout=layout, last_dim=width, last_dim_name=width_name
         )
-        check_like_parameter(name, x, self.out_proj.weight)
-        if not _sums_finite(x):  # the common case in one read; check_finite has the last word
-            check_finite(name, x)
+        check_like_parameter(name, x, self._parameter())
+        if finite:
+            self._check_finite(name, x)
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"{name} has batch size {x.shape[0]} but x has {batch}")
         return x
+
+    def _check_finite(self, name: str, x: torch.Tensor) -> None:
+        if not _sums_finite(x):  # the common case in one read; check_finite has the last word
+            check_finite(name, x)
+
+    def _parameter(self) -> torch.Tensor:
+        """A parameter whose dtype and device inputs must match: the first projection's."""
+        first = next(iter(self._projections()))
+        for tensor in self._modules[first].parameters():
+            return tensor
+        raise ValueError(f"{first} holds no parameters: its dtype and device are unknown")
+
+    @classmethod
+    def _steps_as_written(cls) -> bool:
+        """False for a subclass that overrides a step the native decode step stands for
+        (attnlab.plan.STEPS: projection, heads, attention and forward's checks)."""
+        return _steps_as_written(cls)
+
+
+@functools.cache
+def _steps_as_written(module_class: type) -> bool:
+    return all(getattr(module_class, s) is getattr(MultiHeadAttention, s) for s in plan.STEPS)
+
+
+def _check_projection(name: str, layer: object, width: int | None, features: int) -> None:
+    """An nn.Linear (or subclass) in a projection's place maps `features` to `width` (None:
+    any), with no bias or one of its output width; other modules, and weights of a tensor
+    subclass, are judged by their output (MultiHeadAttention._call)."""
+    if not isinstance(layer, nn.Linear):
+        return
+    weight, bias = layer.weight, layer.bias
+    if type(weight) not in (nn.Parameter, torch.Tensor):  # a DTensor shard's global shape,
+        return  # a quantised tensor: judged by the output, as other modules are
+    fits = weight.dim() == 2 and weight.shape[1] == features
+    fits = fits and (width is None or weight.shape[0] == width)
+    fits = fits and (bias is None or tuple(bias.shape) == (weight.shape[0],))
+    if not fits:
+        out = "any" if width is None else width
+        raise ValueError(
+            f"{name} must be a Linear of weight ({out}, {features}) with no bias or a bias of "
+            f"its output width; got weight {tuple(weight.shape)} and bias "
+            f"{None if bias is None else tuple(bias.shape)}"
+        )
 
 
 def _sums_finite(x: torch.Tensor) -> bool:
@@ -510,6 +624,15 @@ def _sums_finite(x: torch.Tensor) -> bool:
     if not x.is_cpu or torch.compiler.is_compiling():
         return False
     return math.isfinite(x.sum().item())
+
+
+def _inference_outside(tensor: torch.Tensor) -> bool:
+    """True for an inference tensor outside inference mode, which cannot be written (never
+    while torch.compile traces: dynamo cannot trace is_inference, and cannot trace the
+    inference mode that makes such tensors either)."""
+    if torch.compiler.is_compiling():
+        return False
+    return tensor.is_inference() and not torch.is_inference_mode_enabled()
 
 
 def _keys_at(mask: torch.Tensor | None, key_positions: torch.Tensor) -> torch.Tensor | None:

@@ -5,23 +5,22 @@ the weight from memory. MKL's matrix-vector path reads an (out, in) weight at ab
 machine's read bandwidth; splitting the weight into blocks of rows and multiplying them in
 one batched product reads it close to full speed (measured 1.7x to 1.9x faster for 1 or 2
 rows with the weights in memory, about 1.2x for 16 rows, nothing past 32).
+
+attnlab.plan decides when a projection may be computed here instead of called (a plain
+nn.Linear without hooks, local or global); this module only multiplies.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 _BLOCKS = 4  # blocks of weight rows, one batched matrix product each
 _MAX_ROWS = 32  # beyond this, the GEMM path is as fast
 
 
-def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x) (..., in) -> (..., out), by weight blocks when that is faster. Any other kind
-    of layer, or one with hooks (adapters, quantisation wrappers), is simply called."""
-    if not _blocks_help(x, layer):
-        return layer(x)
-    weight, bias = layer.weight, layer.bias
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (..., in), weight (out, in) contiguous with out a
+    multiple of 4 and bias None or (out,), by blocks of weight rows (helps says when)."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
     flat = x.reshape(1, rows, in_features).expand(_BLOCKS, rows, in_features)  # (p, m, in)
@@ -33,18 +32,12 @@ def project(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (p, m, out/p) -> (..., out)
 
 
-def _blocks_help(x: torch.Tensor, layer: nn.Module) -> bool:
-    """True for a plain nn.Linear without hooks, on the CPU, with few rows, in eager mode
-    (compilers fuse the projection themselves, and the row count must not become a guard)."""
-    if type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    weight = layer.weight
+def helps(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when linear is faster than F.linear for x: few rows on the CPU, a weight whose
+    rows split into the blocks."""
     return (
         x.is_cpu
         and x.shape[-1] > 0
         and x.numel() // x.shape[-1] <= _MAX_ROWS
         and weight.shape[0] % _BLOCKS == 0
-        and weight.is_contiguous()
     )
