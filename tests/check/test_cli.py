@@ -1,6 +1,7 @@
-"""`attnlab check FILE.py:ClassName`: exit 0 when no property fails, 1 when one fails, 2 for
-a usage error with a clear message and the check subcommand's usage, 3 when the audit could
-not finish; --json prints the report with the exit code and its reason."""
+"""`attnlab check FILE.py:ClassName`: exit 0 when no property fails, 1 when one fails (with
+--strict, warns or is skipped), 2 for a usage error with a clear message and the check
+subcommand's usage, 3 when the audit could not finish; --json prints the report with the
+exit code and its reason; a skipped property is printed with why."""
 
 import json
 import re
@@ -14,6 +15,7 @@ from attnlab import cli
 from attnlab.check.report import AuditReport, PropertyResult, exit_status
 
 ZOO = str(Path(__file__).with_name("zoo.py"))
+MODEL = str(Path(__file__).with_name("test_model.py"))
 SINGLE = json.dumps({"d_in": 8, "d_out": 8, "context_length": 6, "dropout": 0.0})
 
 
@@ -147,9 +149,45 @@ def test_exit_status_follows_the_rules(statuses, incomplete, strict):
     results = [PropertyResult(f"p{i}", "t", s) for i, s in enumerate(statuses)]
     report = AuditReport("M", True, 4, None, results, incomplete=incomplete)
     code, reason = exit_status(report, strict)
+    skipped = [r.name for r in results if r.status == "skipped"]
     if incomplete or "error" in statuses:
         assert code == 3 and "did not finish" in reason
-    elif "failed" in statuses or (strict and "warning" in statuses):
+    elif "failed" in statuses or (strict and {"warning", "skipped"} & set(statuses)):
         assert code == 1 and "failed" in reason
+        if strict and skipped:
+            assert f"the skipped: {', '.join(skipped)}" in reason
     else:
         assert code == 0 and "passed" in reason
+        if skipped:
+            assert f"{len(skipped)} skipped: {', '.join(skipped)}" in reason
+
+
+def test_strict_forgives_only_the_causal_skip_that_no_causal_asked_for():
+    results = [PropertyResult("causal", "t", "skipped"), PropertyResult("runs", "t", "passed")]
+    assert exit_status(AuditReport("M", False, 4, None, results), strict=True)[0] == 0
+    assert exit_status(AuditReport("M", True, 4, None, results), strict=True)[0] == 1
+    results.append(PropertyResult("reference", "t", "skipped"))
+    code, reason = exit_status(AuditReport("M", False, 4, None, results), strict=True)
+    assert code == 1 and reason.endswith("(--strict counts the skipped: reference)")
+
+
+def test_skipped_properties_are_printed_with_why_and_fail_strict(capsys, monkeypatch):
+    # the tiny GPT takes no attention_mask and no cache: left_padding and kv_cache skip
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    target = [f"{MODEL}:TinyGPTFile", "--init", '{"vocab_size": 40, "context_length": 8}']
+    assert cli.main(["check", *target]) == 0
+    printed = capsys.readouterr().out
+    assert "2 skipped: left_padding, kv_cache" in printed
+    row = next(line for line in printed.splitlines() if line.startswith("│ kv_cache"))
+    assert "skipped" in row and "the forward takes no cache argument" in row
+
+    assert cli.main(["check", *target, "--strict", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["skipped"] == ["left_padding", "kv_cache"] and report["failed"] == []
+    assert report["exit"] == {
+        "code": 1,
+        "reason": "2 failed: left_padding, kv_cache (--strict counts the skipped: "
+        "left_padding, kv_cache)",
+    }
+    kv_cache = next(r for r in report["results"] if r["name"] == "kv_cache")
+    assert kv_cache["status"] == "skipped" and "no cache argument" in kv_cache["observed"]

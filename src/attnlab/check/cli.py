@@ -28,9 +28,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="audit an attention module or a causal language model for leaks and bugs",
         description="Import ClassName from FILE.py, build it with --init, and audit it in a "
         "child process (the file's code is imported and run). Exit 0 when no property "
-        "fails, 1 when one fails (or, with --strict, warns), 2 for a usage error, 3 when the "
-        "audit could not finish (a time limit, the module raising on every input, attnlab's "
-        "own bug).",
+        "fails, 1 when one fails (or, with --strict, warns or is skipped), 2 for a usage "
+        "error, 3 when the audit could not finish (a time limit, the module raising on every "
+        "input, attnlab's own bug).",
     )
     check.add_argument("target", metavar="FILE.py:ClassName", help="the class to audit")
     check.add_argument(
@@ -72,7 +72,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="time limit of each property; past it the audit stops (exit 3) (default: %(default)g)",
     )
-    check.add_argument("--strict", action="store_true", help="count warnings as failures")
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="count warnings and skipped properties as failures: every property must be "
+        "checked and pass (causal under --no-causal excepted)",
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(check_parser=check)
     return check

@@ -6,7 +6,14 @@ logits unchanged, and a prefix alone gives the same logits; a leak is traced to 
 layers whose output leaks while their input does not); batch independence; determinism in
 eval; finite logits and gradients; and, where the forward takes them, left-padding
 invariance with an HF-style attention_mask (and position_ids from it) and cached
-generation (past_key_values / use_cache) equal to the full forward.
+generation equal to the full forward.
+
+The cache is found by probing, not by one hard-coded name (transformers 5.24 renamed
+`past_key_values` to `cache`, in the forward and its output): the forward's argument is
+the first parameter annotated with a cache class (a class named `...Cache`, such as
+transformers' `Cache`), else the first of CACHE_NAMES it takes; the returned cache is the
+output field holding a cache (an object with `get_seq_length` or of a class named
+`...Cache`, or the legacy tuple of per-layer (key, value) tensors), whatever its name.
 
 Shapes: ids (b, t); logits (b, t, v).
 """
@@ -14,8 +21,11 @@ Shapes: ids (b, t); logits (b, t, v).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
-from collections.abc import Iterator
+import re
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +38,18 @@ from attnlab.check.runner import Step, describe, user_code
 _SEED = 0
 PROBE_TOKENS = 12  # enough positions to see a leak; small enough for any model
 PAD = 3  # left-padding tokens
+# names a forward's cache argument has gone by, in order of preference (transformers 5.24+:
+# cache; before: past_key_values; older layers and GPT-2 v2: past, layer_past; Mamba's
+# cache_params); an exact match only, so cache_position or use_cache never count
+CACHE_NAMES = (
+    "cache",
+    "past_key_values",
+    "past_key_value",
+    "kv_cache",
+    "past",
+    "layer_past",
+    "cache_params",
+)
 
 TITLES = {
     "runs": "token ids (batch, tokens) give logits (batch, tokens, vocab)",
@@ -49,6 +71,7 @@ class ModelProbe:
     vocab_size: int
     context_length: int | None
     accepts: set[str] = field(default_factory=set)
+    cache_argument: str | None = None  # the forward's cache parameter (find_cache_argument)
 
     @property
     def tokens(self) -> int:
@@ -142,7 +165,9 @@ def make_model_probe(module: nn.Module, context_length: int | None = None) -> Mo
     with user_code():
         private = copy.deepcopy(module).eval()
     context = context_length or infer_context_length(module) or _position_table(module)
-    probe = ModelProbe(private, min(tables), context, _accepted(private))
+    probe = ModelProbe(
+        private, min(tables), context, _accepted(private), find_cache_argument(private)
+    )
     with torch.no_grad():
         width = logits_of(probe.raw(probe.ids(1, 1, _SEED))).shape[-1]
     probe.vocab_size = min(width, max(tables))  # ids must index the token table
@@ -158,12 +183,104 @@ def _position_table(module: nn.Module) -> int | None:
     return None
 
 
-def _accepted(module: nn.Module) -> set[str]:
+def _parameters(module: nn.Module) -> dict[str, inspect.Parameter]:
+    """The forward's parameters by name; none when its signature cannot be read."""
     try:
-        parameters = inspect.signature(module.forward).parameters
+        return dict(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
-        return set()
-    return set(parameters)
+        return {}
+
+
+def _accepted(module: nn.Module) -> set[str]:
+    return set(_parameters(module))
+
+
+def find_cache_argument(module: nn.Module) -> str | None:
+    """The name of the forward's KV-cache parameter, found by probing its signature.
+
+    The first parameter (that can be given by keyword) annotated with a cache class wins:
+    an annotation naming a class called `...Cache` or derived from one (transformers'
+    `Cache | None`, a string annotation too), so a future rename is followed. Else the
+    first of CACHE_NAMES, in that order, that the forward takes (exact names:
+    `cache_position` and `use_cache` are not caches).
+
+    Args:
+        module: the model whose forward is read (not called).
+
+    Returns:
+        The parameter's name, or None when the forward takes no cache.
+    """
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = {n: p for n, p in _parameters(module).items() if p.kind in keyword}
+    for name, parameter in parameters.items():
+        if _names_a_cache(parameter.annotation):
+            return name
+    return next((name for name in CACHE_NAMES if name in parameters), None)
+
+
+def _names_a_cache(annotation: object) -> bool:
+    """True for an annotation naming a class called ...Cache (a union or a string too)."""
+    if isinstance(annotation, str):
+        return re.search(r"Cache\b", annotation) is not None
+    if isinstance(annotation, type):
+        return any(cls.__name__.endswith("Cache") for cls in annotation.__mro__)
+    return any(_names_a_cache(arg) for arg in typing.get_args(annotation))
+
+
+def _is_cache(value: object) -> bool:
+    """A KV cache: an object with get_seq_length or of a class named ...Cache, or the legacy
+    tuple of per-layer tuples of tensors."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return False
+    if callable(getattr(value, "get_seq_length", None)):
+        return True
+    if type(value).__name__.endswith("Cache"):
+        return True
+    return (
+        isinstance(value, tuple | list)
+        and bool(value)
+        and all(
+            isinstance(layer, tuple | list)
+            and bool(layer)
+            and all(isinstance(x, torch.Tensor) for x in layer)
+            for layer in value
+        )
+    )
+
+
+def find_returned_cache(out: object, argument: str | None = None) -> tuple[object, str] | None:
+    """The KV cache in a forward's output and where it was, whatever the field's name.
+
+    Looks at `argument`'s field first (a forward commonly returns its cache under the name
+    it takes it), then at every other field: the items of a mapping (a transformers
+    ModelOutput, `.cache`; a dict, `['cache']`), the fields of a named tuple, a dataclass
+    or a plain object, or the items after the first of a tuple (`[1]`).
+
+    Args:
+        out: the forward's output.
+        argument: the forward's cache parameter, when known.
+
+    Returns:
+        (cache, where) with `where` as `.name`, `['name']` or `[i]`; None when the output
+        holds no cache.
+    """
+    if isinstance(out, tuple | list) and not hasattr(out, "_fields"):
+        found = ((out[i], f"[{i}]") for i in range(1, len(out)))
+        return next(((v, w) for v, w in found if _is_cache(v)), None)
+    if isinstance(out, Mapping):
+        plain = type(out) is dict
+        fields = [(k, v, f"[{k!r}]" if plain else f".{k}") for k, v in out.items()]
+    else:
+        if hasattr(out, "_fields"):
+            names = list(out._fields)
+        elif dataclasses.is_dataclass(out):
+            names = [f.name for f in dataclasses.fields(out)]
+        else:
+            names = list(getattr(out, "__dict__", {}))
+        names += [n for n in (argument, *CACHE_NAMES) if n and n not in names]
+        fields = [(n, getattr(out, n, None), f".{n}") for n in names]
+    fields.sort(key=lambda item: item[0] != argument)  # the argument's own name first
+    return next(((v, w) for k, v, w in fields if k != "logits" and _is_cache(v)), None)
 
 
 def new_report(name: str, probe: ModelProbe) -> AuditReport:
@@ -395,7 +512,7 @@ def check_finite_gradients(probe: ModelProbe) -> PropertyResult:
     gradient are a warning (a model may hold unused parameters)."""
     name = "finite_gradients"
     model = copy.deepcopy(probe.module)
-    copied = ModelProbe(model, probe.vocab_size, probe.context_length, probe.accepts)
+    copied = dataclasses.replace(probe, module=model)
     ids = probe.ids(2, probe.tokens, _SEED)
     logits = copied(ids)
     if not torch.isfinite(logits).all():
@@ -454,32 +571,48 @@ def check_left_padding(probe: ModelProbe) -> PropertyResult:
 
 
 def check_kv_cache(probe: ModelProbe) -> PropertyResult:
-    """Half the tokens at once with use_cache=True, then one at a time with the returned
-    past_key_values, give the full forward's logits at every position."""
+    """Half the tokens at once (with use_cache=True where the forward takes it), then one at
+    a time with the returned cache, give the full forward's logits at every position; the
+    cache is passed and found under whatever names the model uses (find_cache_argument,
+    find_returned_cache), and `observed` says which."""
     name, t = "kv_cache", probe.tokens
-    if not {"past_key_values", "use_cache"} <= probe.accepts:
-        return skipped(name, TITLES[name], "the forward takes no past_key_values and use_cache")
+    argument = probe.cache_argument
+    if argument is None:
+        why = (
+            "the forward takes no cache argument (looked for a parameter annotated as a "
+            f"Cache or named {', '.join(CACHE_NAMES)})"
+        )
+        return skipped(name, TITLES[name], why)
     if t < 2:
         return skipped(name, TITLES[name], "needs a context of at least 2 tokens")
+    use = {"use_cache": True} if "use_cache" in probe.accepts else {}
+    asked = "use_cache=True" if use else "the first call"
     ids = probe.ids(2, t, _SEED)
     first = t // 2
     with torch.no_grad():
         full = probe(ids)
-        out = probe.raw(ids[:, :first], use_cache=True)
-        steps = [logits_of(out)]
+        out = probe.raw(ids[:, :first], **use)
+        steps, where = [logits_of(out)], None
         for i in range(first, t):
-            cache = _cache_of(out)
-            if cache is None:
-                return skipped(name, TITLES[name], "use_cache=True returned no past_key_values")
-            out = probe.raw(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            found = find_returned_cache(out, argument)
+            if found is None:
+                why = (
+                    f"{asked} returned no cache after {i} tokens (the forward takes "
+                    f"`{argument}=`; looked for a field holding a Cache or a tuple of "
+                    "per-layer tensors)"
+                )
+                return skipped(name, TITLES[name], why)
+            cache, where = found
+            out = probe.raw(ids[:, i : i + 1], **{argument: cache}, **use)
             steps.append(logits_of(out))
     cached = torch.cat(steps, dim=1)  # (b, t, v)
+    names = f"cache passed as `{argument}=`, returned as `{where}`"
     if _close(cached, full):
-        return passed(name, TITLES[name], f"{first} tokens, then {t - first} one by one")
-    position = int((cached - full).abs().nan_to_num(0.0).amax(dim=(0, 2)).argmax())
+        return passed(name, TITLES[name], f"{names}; {first} tokens, then {t - first} one by one")
+    position = next(j for j in range(t) if not _close(cached[:, j], full[:, j]))
     observed = (
         f"cached generation differs from the full forward from position {position} "
-        f"(max |difference| {_gap(cached, full):.3g})"
+        f"(max |difference| {_gap(cached, full):.3g}; {names})"
     )
     causes = [
         "the new token's position ignores the cached length (positions restart at 0)",
@@ -487,12 +620,3 @@ def check_kv_cache(probe: ModelProbe) -> PropertyResult:
         "query against the cached keys as if they were the future",
     ]
     return failed(name, TITLES[name], observed, causes)
-
-
-def _cache_of(out: object):
-    cache = getattr(out, "past_key_values", None)
-    if cache is None and isinstance(out, dict):
-        cache = out.get("past_key_values")
-    if cache is None and isinstance(out, tuple | list) and len(out) > 1:
-        cache = out[1]
-    return cache

@@ -1,8 +1,9 @@
 """The audit's report: one result per named property, passed, failed (a wrong result: what
 was observed and the likely causes, in plain words), warning (a loud limitation, such as a
-RuntimeError past the context length: not a wrong result), skipped (and why) or error (the
-audit could not run it: a time limit, attnlab's own bug). exit_status turns a report into
-the command's exit code and its reason."""
+RuntimeError past the context length: not a wrong result), skipped (and why: the property
+could not run on this module, never silently) or error (the audit could not run it: a time
+limit, attnlab's own bug). exit_status turns a report into the command's exit code and its
+reason."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ class AuditReport:
         return [result.name for result in self.results if result.status == WARNING]
 
     @property
+    def skipped(self) -> list[str]:
+        """Names of the properties that were not checked (each result says why)."""
+        return [result.name for result in self.results if result.status == SKIPPED]
+
+    @property
     def errors(self) -> list[str]:
         """Names of the properties the audit could not run (time limit, attnlab's bug)."""
         return [result.name for result in self.results if result.status == ERROR]
@@ -67,12 +73,13 @@ class AuditReport:
         raise KeyError(f"no property named {name!r}; known: {[r.name for r in self.results]}")
 
     def to_dict(self) -> dict:
-        """Plain data for --json, with `ok` and the failed names."""
+        """Plain data for --json, with `ok` and the failed, warning, skipped and error names."""
         return {
             **asdict(self),
             "ok": self.ok,
             "failed": self.failed,
             "warnings": self.warnings,
+            "skipped": self.skipped,
             "errors": self.errors,
         }
 
@@ -85,11 +92,17 @@ def exit_status(report: AuditReport, strict: bool = False) -> tuple[int, str]:
 
     3 when the audit could not finish (report.incomplete, or a property in error: a time
     limit, attnlab's own bug), whatever it found before; else 1 when a property failed (or,
-    with strict, gave a warning); else 0.
+    with strict, gave a warning or was skipped); else 0, the reason naming the warnings and
+    the skipped properties.
+
+    Strict means every property was checked: a skip fails it even where the property does
+    not seem to apply (a model that takes no attention_mask skips left_padding), since a
+    model that should take one looks the same. The one skip strict forgives is the one the
+    caller asked for: `causal` on a report audited with causal=False (--no-causal).
 
     Args:
         report: the audit's report.
-        strict: count warnings as failures.
+        strict: count warnings and skipped properties as failures.
 
     Returns:
         (code, reason).
@@ -97,19 +110,39 @@ def exit_status(report: AuditReport, strict: bool = False) -> tuple[int, str]:
     unfinished = report.incomplete or (
         f"could not run {', '.join(report.errors)}" if report.errors else None
     )
-    failures = report.failed + (report.warnings if strict else [])
+    warnings = report.warnings if strict else []
+    skips = strict_skips(report) if strict else []
+    failures = report.failed + warnings + skips
     found = f"{len(failures)} failed: {', '.join(failures)}" if failures else ""
-    if strict and report.warnings:
-        found += f" (--strict counts the warnings: {', '.join(report.warnings)})"
+    counted = _listed({"the warnings": warnings, "the skipped": skips})
+    if counted:
+        found += f" (--strict counts {' and '.join(counted)})"
     if unfinished:
         before = f" (before it stopped, {found})" if found else ""
         return EXIT_INCOMPLETE, f"the audit did not finish: {unfinished}{before}"
     if failures:
         return EXIT_FAILED, found
     reason = "every applicable property passed"
-    if report.warnings:
-        reason += f", with {len(report.warnings)} warning(s): {', '.join(report.warnings)}"
+    noted = _listed(
+        {
+            f"{len(report.warnings)} warning(s)": report.warnings,
+            f"{len(report.skipped)} skipped": report.skipped,
+        }
+    )
+    if noted:
+        reason += f", with {'; '.join(noted)}"
     return EXIT_PASSED, reason
+
+
+def strict_skips(report: AuditReport) -> list[str]:
+    """The skipped properties that --strict counts as failures: all of them but `causal` on
+    a report audited with causal=False (the caller turned that property off)."""
+    return [name for name in report.skipped if report.causal or name != "causal"]
+
+
+def _listed(groups: dict[str, list[str]]) -> list[str]:
+    """'label: a, b' for each non-empty group, in order."""
+    return [f"{label}: {', '.join(names)}" for label, names in groups.items() if names]
 
 
 def passed(name: str, title: str, observed: str = "") -> PropertyResult:
