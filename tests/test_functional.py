@@ -118,6 +118,19 @@ def test_need_weights_returns_the_weights_used():
     torch.testing.assert_close(out, weights @ v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_with_dropout_the_weights_returned_are_the_dropped_ones_the_output_used(backend):
+    """need_weights promises the weights used: with dropout in training, output = the
+    returned (dropped, rescaled) weights times the values."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 3)
+    out, weights = attention(
+        q, k, v, causal=True, dropout_p=0.5, training=True, need_weights=True, backend=backend
+    )
+    assert (weights == 0).sum() > (torch.ones(6, 6).triu(1) == 1).sum() * 4  # some dropped
+    torch.testing.assert_close(out, weights @ v, rtol=1e-5, atol=1e-6)
+
+
 def test_dropout_only_when_training():
     torch.manual_seed(3)
     q = k = v = torch.randn(1, 1, 8, 4)

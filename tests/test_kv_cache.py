@@ -405,3 +405,27 @@ def test_the_blocked_storage_gives_back_every_token_it_holds(
         held = torch.arange(cache.num_tokens)
         slot_positions = held if not rolling else cache.slot_positions()
         assert torch.equal(cache.keys[:, :, held], every[:, :, slot_positions])
+
+
+@pytest.mark.parametrize(
+    ("stored", "given", "takes"),
+    [
+        (torch.bfloat16, torch.float16, False),  # the same width, another format: no
+        (torch.float16, torch.bfloat16, False),
+        (torch.bfloat16, torch.float32, True),
+        (torch.int8, torch.float16, True),
+        (torch.float32, torch.float32, True),
+        (torch.float32, torch.float64, False),  # a float32 cache is not a narrower store
+        (torch.float16, torch.float16, True),
+    ],
+)
+def test_a_cache_accepts_its_own_dtype_or_a_strictly_wider_one(stored, given, takes):
+    assert KVCache(1, 4, 1, 2, dtype=stored).accepts(given) is takes
+
+
+def test_a_bfloat16_cache_refuses_float16_keys_at_the_door():
+    m = MultiHeadAttention(8, 8, 16, 0.0, 2, dtype=torch.float16).eval()
+    cache = m.make_cache(1, dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(TypeError, match="the cache is torch.bfloat16"):
+        m(torch.randn(1, 2, 8, dtype=torch.float16), cache=cache)
+    assert cache.position == 0
