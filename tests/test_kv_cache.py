@@ -426,6 +426,6 @@ def test_a_cache_accepts_its_own_dtype_or_a_strictly_wider_one(stored, given, ta
 def test_a_bfloat16_cache_refuses_float16_keys_at_the_door():
     m = MultiHeadAttention(8, 8, 16, 0.0, 2, dtype=torch.float16).eval()
     cache = m.make_cache(1, dtype=torch.bfloat16)
-    with torch.no_grad(), pytest.raises(TypeError, match="the cache is torch.bfloat16"):
+    with torch.no_grad(), pytest.raises(TypeError, match=r"the cache is torch\.bfloat16"):
         m(torch.randn(1, 2, 8, dtype=torch.float16), cache=cache)
     assert cache.position == 0
