@@ -35,12 +35,13 @@ def reference(m, x):
     included), heads split, rotary positions from the definition, causal softmax by hand."""
     m64 = copy.deepcopy(m).double()
     b, t, _ = x.shape
+    x = x.detach()
     h, hkv, hd = m.num_heads, m.num_kv_heads, m.head_dim
     qkv = m64.qkv_proj(x.double())  # (b, t, d_out + 2 kv_dim)
     q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
     q, k, v = (y.view(b, t, -1, hd).transpose(1, 2) for y in (q, k, v))  # (b, heads, t, hd)
     if m.rope is not None:
-        q, k = _rotate(q, m.rope_base), _rotate(k, m.rope_base)
+        q, k = _rotate(q, m.rope.base), _rotate(k, m.rope.base)
     k, v = (y.repeat_interleave(h // hkv, dim=1) for y in (k, v))
     scores = q @ k.transpose(-2, -1) / math.sqrt(hd)  # (b, h, t, t)
     future = torch.ones(t, t, dtype=torch.bool).triu(1)
@@ -63,7 +64,7 @@ def every_path(m, tokens=(1, 6, 40)):
     """The module's output on every path: full forwards of 1, 6 and 40 tokens, and a cached
     decode of 6 tokens; each beside the float64 reference."""
     torch.manual_seed(1)
-    x = torch.randn(2, max(tokens), 16)
+    x = torch.randn(2, max(tokens), 16, dtype=next(m.parameters()).dtype)
     with torch.no_grad():
         for t in tokens:
             yield f"{t} tokens", m(x[:, :t]), reference(m, x[:, :t])
