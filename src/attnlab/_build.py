@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from attnlab import fake_ops
+
 OFF_VARIABLE = "ATTNLAB_NO_EXTENSION"
 VECTORS_VARIABLE = "ATTNLAB_VECTORS"
 _HOW_TO_SKIP = f"{OFF_VARIABLE}=1 skips the build"
@@ -107,7 +109,9 @@ def load(base: str, source: Path, what: str, fallback: str, *, wide: bool = Fals
         return f"turned off by {OFF_VARIABLE}=1"
     wide = wide and os.environ.get(VECTORS_VARIABLE) != "avx2"
     reason = _missing() or _build_and_load(base, source, what, cflags(wide))
-    if reason is not None:
+    if reason is None:
+        fake_ops.register()  # its ops' fake kernels, for torch.compile and export
+    else:
         warnings.warn(
             f"{what} is unavailable: {reason}; using {fallback} ({_HOW_TO_SKIP})",
             RuntimeWarning,

@@ -147,43 +147,122 @@ struct QueryBlock {
 
 }  // namespace
 
-// q (b, hq, tq, d), k and v (b, hkv, tk, d) with contiguous features; mask: empty, or an
-// additive float mask broadcast to (b, hq, tq, tk) (any strides). Causal masking is
-// bottom-right aligned: query i sees keys up to i + tk - tq. key_start, key_end: empty, or
-// int64 (b,): sequence b reads only keys [key_start, key_end) (a padded batch), with the
-// same causal alignment; a query before its sequence's first key gets zeros. Query blocks of q_split rows
-// read keys in blocks of kv_split; the keys on a block's diagonal are read in row
-// sub-blocks of diag_split, so that little work past the diagonal is done. Returns the
+// The op's contract (attnlab.flash_cpu._Flash.forward makes its inputs conform; the checks
+// below refuse every other input with a RuntimeError naming the argument, so that no call
+// through torch.ops can crash the process, read out of bounds or reach BLAS's own checks):
+//   q           float32 on the CPU, (b, hq, tq, d), d >= 1: features contiguous (stride 1),
+//               tokens a stride in [d, INT_MAX] apart (BLAS's leading dimension); batch and
+//               head strides anything (offsets only)
+//   k, v        the same dtype, device and row layout, each (b, hkv, tk, d) (one shape), with
+//               q's b and d; hkv >= 1 dividing hq (query head h reads key/value head
+//               h / (hq / hkv))
+//   mask        no elements and not 4-D (no mask), or an additive float32 mask on the CPU, 4-D
+//               and broadcastable to (b, hq, tq, tk) (any strides; read through an expanded
+//               view)
+//   key_start,  both without elements (every sequence reads all tk keys), or both int64 on
+//   key_end     the CPU, contiguous, (b,), with 0 <= key_start[i] <= key_end[i] <= tk
+//   scale       finite and > 0 (functional.attention's contract)
+//   causal      any
+//   q_split     query rows per block, in [1, kMaxSplit]
+//   kv_split    keys per block, in [1, kMaxSplit]
+//   diag_split  diagonal rows per sub-block, in [1, kv_split] (the diagonal's tiles then fit
+//               the q_split x kv_split scratch)
+// Causal masking is bottom-right aligned: query i sees keys up to i + tk - tq. With key
+// ranges, sequence i reads only keys [key_start[i], key_end[i]) (a padded batch), with the
+// same causal alignment; a query before its sequence's first key gets zeros. Query blocks of
+// q_split rows read keys in blocks of kv_split; the keys on a block's diagonal are read in
+// row sub-blocks of diag_split, so that little work past the diagonal is done. Returns the
 // output as (b, hq, tq, d) stored (b, tq, hq, d), and the logsumexp (b, hq, tq).
+
+namespace {
+
+constexpr int64_t kMaxSplit = 4096;  // rows or keys per block: a scratch of at most 64 MiB
+
+void check_qkv(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "causal_flash_forward: ", name, " is undefined");
+  TORCH_CHECK(t.dim() == 4, "causal_flash_forward: ", name,
+              " must be 4-D (batch, heads, tokens, head_dim), got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "causal_flash_forward: ", name,
+              " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), "causal_flash_forward: ", name, " must be on the CPU, got ",
+              t.device());
+  TORCH_CHECK(t.size(3) >= 1, "causal_flash_forward: ", name, "'s head_dim (", t.size(3),
+              ") must be >= 1");
+  TORCH_CHECK(t.stride(3) == 1, "causal_flash_forward: ", name,
+              "'s features must be contiguous (stride(3) 1), got strides ", t.strides());
+  // BLAS takes the token stride as its leading dimension: at least the row width, and an int.
+  TORCH_CHECK(t.stride(2) >= t.size(3) && t.stride(2) <= std::numeric_limits<int>::max(),
+              "causal_flash_forward: ", name, "'s token stride (", t.stride(2),
+              ") must be in [head_dim (", t.size(3), "), INT_MAX]");
+}
+
+void check_range(const at::Tensor& t, const char* name, int64_t batch) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.device().is_cpu() && t.dim() == 1 &&
+                  t.size(0) == batch && t.is_contiguous(),
+              "causal_flash_forward: ", name, " must be a contiguous int64 CPU tensor (batch ",
+              batch, ",), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
+}  // namespace
+
 std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v, const at::Tensor& mask,
+                                             const at::Tensor& v, const at::Tensor& mask_in,
                                              const at::Tensor& key_start,
                                              const at::Tensor& key_end, double scale,
                                              bool causal, int64_t q_split, int64_t kv_split,
                                              int64_t diag_split) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat,
-              "causal_flash_forward: float32 only");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "causal_flash_forward: features must be contiguous");
-  // BLAS takes the token stride as its leading dimension: at least the row width, and an int.
-  for (const at::Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->stride(2) >= t->size(3) && t->stride(2) <= std::numeric_limits<int>::max(),
-                "causal_flash_forward: token stride ", t->stride(2), " must be in [head_dim (",
-                t->size(3), "), INT_MAX]");
-  }
-  TORCH_CHECK(diag_split > 0 && diag_split <= kv_split && q_split > 0,
-              "causal_flash_forward: bad block sizes");
+  check_qkv(q, "q");
+  check_qkv(k, "k");
+  check_qkv(v, "v");
+  TORCH_CHECK(k.sizes() == v.sizes(), "causal_flash_forward: k ", k.sizes(), " and v ",
+              v.sizes(), " must have the same shape");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "causal_flash_forward: k ",
+              k.sizes(), " must have q's batch and head_dim, q is ", q.sizes());
+  TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, "causal_flash_forward: k's heads (",
+              k.size(1), ") must be >= 1 and divide q's heads (", q.size(1), ")");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "causal_flash_forward: scale (", scale,
+              ") must be finite and > 0");
+  TORCH_CHECK(q_split >= 1 && q_split <= kMaxSplit, "causal_flash_forward: q_split (", q_split,
+              ") must be in [1, ", kMaxSplit, "]");
+  TORCH_CHECK(kv_split >= 1 && kv_split <= kMaxSplit, "causal_flash_forward: kv_split (",
+              kv_split, ") must be in [1, ", kMaxSplit, "]");
+  TORCH_CHECK(diag_split >= 1 && diag_split <= kv_split, "causal_flash_forward: diag_split (",
+              diag_split, ") must be in [1, kv_split ", kv_split, "]");
   const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), tk = k.size(2);
   const int64_t groups = heads / kv_heads, offset = tk - tq;
+  TORCH_CHECK(mask_in.defined(), "causal_flash_forward: mask is undefined");
+  at::Tensor mask;  // undefined: none; else a (b, hq, tq, tk) view
+  if (mask_in.dim() == 4) {
+    TORCH_CHECK(mask_in.scalar_type() == at::kFloat && mask_in.device().is_cpu(),
+                "causal_flash_forward: mask must be a float32 CPU tensor, got ",
+                mask_in.scalar_type(), " on ", mask_in.device());
+    const int64_t target[4] = {batch, heads, tq, tk};
+    for (int64_t i = 0; i < 4; ++i) {
+      TORCH_CHECK(mask_in.size(i) == target[i] || mask_in.size(i) == 1,
+                  "causal_flash_forward: mask of shape ", mask_in.sizes(),
+                  " does not broadcast to (b, hq, tq, tk) = ", at::IntArrayRef(target, 4));
+    }
+    mask = mask_in.expand({batch, heads, tq, tk});  // broadcast dimensions: stride 0
+  } else {
+    TORCH_CHECK(mask_in.numel() == 0, "causal_flash_forward: mask must be empty (no mask) or "
+                "4-D broadcastable to (b, hq, tq, tk), got shape ", mask_in.sizes());
+  }
   const bool has_mask = mask.defined() && mask.numel() > 0;
-  const bool has_ranges = key_start.defined() && key_start.numel() > 0;
+  TORCH_CHECK(key_start.defined() && key_end.defined(),
+              "causal_flash_forward: key_start and key_end must be defined");
+  const bool has_ranges = key_start.numel() > 0 || key_end.numel() > 0;
   if (has_ranges) {
-    TORCH_CHECK(key_start.scalar_type() == at::kLong && key_end.scalar_type() == at::kLong &&
-                    key_start.numel() == batch && key_end.numel() == batch &&
-                    key_start.is_contiguous() && key_end.is_contiguous(),
-                "causal_flash_forward: key_start and key_end must be contiguous int64 (batch,)");
+    check_range(key_start, "key_start", batch);
+    check_range(key_end, "key_end", batch);
+    const int64_t* starts = key_start.data_ptr<int64_t>();
+    const int64_t* ends = key_end.data_ptr<int64_t>();
+    for (int64_t i = 0; i < batch; ++i) {
+      TORCH_CHECK(0 <= starts[i] && starts[i] <= ends[i] && ends[i] <= tk,
+                  "causal_flash_forward: key range [key_start, key_end) = [", starts[i], ", ",
+                  ends[i], ") of sequence ", i, " must satisfy 0 <= key_start <= key_end <= tk (",
+                  tk, ")");
+    }
   }
   const int64_t* range_start = has_ranges ? key_start.data_ptr<int64_t>() : nullptr;
   const int64_t* range_end = has_ranges ? key_end.data_ptr<int64_t>() : nullptr;

@@ -17,7 +17,8 @@
 // row-major (Segment), so that a block's keys are one contiguous read; key_scales/
 // value_scales (b, hkv, capacity) float32 for int8 buffers, else empty. All float32 except
 // the buffers, all contiguous. The new token goes to slot `slot` at position `position`;
-// attention reads slots [first, first + count).
+// attention reads slots [first, first + count). The op checks every argument itself (the
+// contract above decode_step): anything else is a RuntimeError, never a crash.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -736,17 +737,139 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   a.merge(batch, attn);
 }
 
-// The layer's output (b, 1, d_out); an empty tensor, with nothing written, when x holds a NaN
-// or an infinity (the caller's own path then raises its error).
+// The checks of decode_step's contract: a RuntimeError naming the argument and its values.
+void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "decode_step: ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "decode_step: ", name, " must be on the CPU, got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), "decode_step: ", name, " must be contiguous, got shape ",
+              t.sizes(), " with strides ", t.strides());
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  check_tensor(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "decode_step: ", name, " must be float32, got ",
+              t.scalar_type());
+}
+
+void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, "decode_step: ", name, " must be of shape ", shape, ", got ",
+              t.sizes());
+}
+
+// An optional float32 vector: empty (none), or contiguous float32 (n,).
+void check_bias(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.defined(), "decode_step: ", name, " is undefined");
+  if (t.numel() == 0) return;
+  check_float(t, name);
+  check_shape(t, name, {n});
+}
+
+// The op's contract. attnlab.decode_cpu.step builds every argument from a MultiHeadAttention
+// and its KVCache (KVCache.keys_t, scales, block, native_slots); the checks below refuse
+// every other input with a RuntimeError naming the argument, before anything is read or
+// written, so that no call through torch.ops can crash the process or read or write out of
+// bounds. All tensors on the CPU; "empty": no elements.
+//   x             float32, contiguous, (b, 1, d_in) or (b, d_in), b >= 1, d_in >= 1
+//   w_qkv         float32, contiguous, (d_qkv, d_in), d_qkv = d_out + 2 * kv_heads * hd: the
+//                 fused projection's rows, queries then keys then values
+//   b_qkv         empty (no bias) or float32 contiguous (d_qkv,)
+//   w_out         float32, contiguous, (d_out, d_out), d_out >= 1
+//   b_out         empty or float32 contiguous (d_out,)
+//   cos, sin      both empty (no rotary positions) or both float32 contiguous (rows, hd)
+//   keys_t,       one dtype (float32, bfloat16 or int8), contiguous, each (b, kv_heads,
+//   values_t      hd * capacity): kv_heads >= 1 dividing heads, capacity >= 1 (written)
+//   key_scales,   an int8 cache's scales: float32 contiguous (b, kv_heads, capacity) each
+//   value_scales  (written); empty for a float32 or bfloat16 cache
+//   heads         >= 1 dividing d_out; hd = d_out / heads a multiple of 4 (the kernel reads
+//                 four rows of a head at a time)
+//   position      the new token's position: >= 0, and < rows when cos/sin are given
+//   slot          where the new key and value are written: in [0, capacity)
+//   first, count  the slots attended to, [first, first + count): 0 <= first, 1 <= count,
+//                 first + count <= capacity (KVCache.native_slots: [start + 1 - window or 0,
+//                 start] without rolling, [0, min(start + 1, capacity)) when rolling; the
+//                 new slot is usually among them, else it is written apart)
+//   block         tokens per block of the cache's layout, >= 1 (the last block may hold
+//                 fewer; a block of more than the capacity is one block of the capacity)
+//   scale         the scores' scale, finite and > 0 (1 / sqrt(hd))
+// Returns the layer's output (b, 1, d_out); an empty tensor, with nothing written, when x holds
+// a NaN or an infinity (the caller's own path then raises its error).
 at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::Tensor& b_qkv,
                        const at::Tensor& w_out, const at::Tensor& b_out, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
                        at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
                        int64_t position, int64_t slot, int64_t first, int64_t count,
                        int64_t block, double scale) {
-  const int64_t batch = x.size(0), d_in = x.size(-1), d_qkv = w_qkv.size(0);
-  const int64_t kv_heads = keys_t.size(1), d_out = w_out.size(0), hd = d_out / heads;
+  check_float(x, "x");
+  TORCH_CHECK((x.dim() == 3 && x.size(1) == 1) || x.dim() == 2,
+              "decode_step: x must be (b, 1, d_in) or (b, d_in), got shape ", x.sizes());
+  const int64_t batch = x.size(0), d_in = x.size(-1);
+  TORCH_CHECK(batch >= 1 && d_in >= 1, "decode_step: x of shape ", x.sizes(),
+              " must hold b >= 1 rows of d_in >= 1 features");
+  check_float(w_out, "w_out");
+  TORCH_CHECK(w_out.dim() == 2 && w_out.size(0) >= 1 && w_out.size(1) == w_out.size(0),
+              "decode_step: w_out must be (d_out, d_out) with d_out >= 1, got shape ",
+              w_out.sizes());
+  const int64_t d_out = w_out.size(0);
+  TORCH_CHECK(heads >= 1 && d_out % heads == 0, "decode_step: heads (", heads,
+              ") must be >= 1 and divide d_out (", d_out, ")");
+  const int64_t hd = d_out / heads;
+  TORCH_CHECK(hd % kRows == 0, "decode_step: head_dim (", hd, " = d_out ", d_out, " / heads ",
+              heads, ") must be a multiple of ", kRows);
+  check_tensor(keys_t, "keys_t");
+  const auto cache_dtype = keys_t.scalar_type();
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16 ||
+                  cache_dtype == at::kChar,
+              "decode_step: keys_t must be float32, bfloat16 or int8, got ", cache_dtype);
+  TORCH_CHECK(keys_t.dim() == 3 && keys_t.size(0) == batch,
+              "decode_step: keys_t must be (b, kv_heads, hd * capacity) with x's b (", batch,
+              "), got shape ", keys_t.sizes());
+  const int64_t kv_heads = keys_t.size(1);
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "decode_step: kv_heads (", kv_heads,
+              ", keys_t's dimension 1) must be >= 1 and divide heads (", heads, ")");
+  TORCH_CHECK(keys_t.size(2) >= hd && keys_t.size(2) % hd == 0, "decode_step: keys_t's last "
+              "dimension (", keys_t.size(2), ") must be hd (", hd, ") x capacity >= 1");
   const int64_t cap = keys_t.size(2) / hd;
+  check_tensor(values_t, "values_t");
+  TORCH_CHECK(values_t.scalar_type() == cache_dtype, "decode_step: values_t (",
+              values_t.scalar_type(), ") must have keys_t's dtype (", cache_dtype, ")");
+  check_shape(values_t, "values_t", keys_t.sizes());
+  if (cache_dtype == at::kChar) {
+    check_float(key_scales, "key_scales");
+    check_shape(key_scales, "key_scales", {batch, kv_heads, cap});
+    check_float(value_scales, "value_scales");
+    check_shape(value_scales, "value_scales", {batch, kv_heads, cap});
+  } else {
+    TORCH_CHECK(key_scales.defined() && value_scales.defined() && key_scales.numel() == 0 &&
+                    value_scales.numel() == 0,
+                "decode_step: key_scales and value_scales must be empty for a ", cache_dtype,
+                " cache (only an int8 cache has scales)");
+  }
+  const int64_t d_qkv = d_out + 2 * kv_heads * hd;
+  check_float(w_qkv, "w_qkv");
+  check_shape(w_qkv, "w_qkv", {d_qkv, d_in});
+  check_bias(b_qkv, "b_qkv", d_qkv);
+  check_bias(b_out, "b_out", d_out);
+  TORCH_CHECK(position >= 0, "decode_step: position (", position, ") must be >= 0");
+  TORCH_CHECK(cos.defined() && sin.defined(), "decode_step: cos and sin must be defined");
+  if (cos.numel() || sin.numel()) {
+    check_float(cos, "cos");
+    check_float(sin, "sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd, "decode_step: cos must be (rows, hd ", hd,
+                "), got shape ", cos.sizes());
+    check_shape(sin, "sin", cos.sizes());
+    TORCH_CHECK(position < cos.size(0), "decode_step: position (", position,
+                ") must be in [0, rotary rows ", cos.size(0), ")");
+  }
+  TORCH_CHECK(slot >= 0 && slot < cap, "decode_step: slot (", slot, ") must be in [0, capacity ",
+              cap, ")");
+  TORCH_CHECK(first >= 0 && first < cap, "decode_step: first (", first,
+              ") must be in [0, capacity ", cap, ")");
+  TORCH_CHECK(count >= 1 && count <= cap - first, "decode_step: count (", count,
+              ") must be in [1, capacity ", cap, " - first ", first, "]");
+  TORCH_CHECK(block >= 1, "decode_step: block (", block, ") must be >= 1");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "decode_step: scale (", scale,
+              ") must be finite and > 0");
   if (!all_finite(x.data_ptr<float>(), batch * d_in)) return at::empty({0}, x.options());
   // the outputs allocated before the cache is written
   auto qkv = at::empty({batch, d_qkv}, x.options());

@@ -1,0 +1,580 @@
+"""attnlab's registered C++ ops are public (anyone can call torch.ops): each checks every
+argument itself. Each op is called with valid arguments, then with one argument at a time
+pushed out of its contract (wrong dtype, rank, size, layout; negative, zero, huge values;
+NaN and infinite scales), in a subprocess, and every refused call must be a RuntimeError
+from the op's own check naming the argument: never a signal, a hang, a word on stdout or
+stderr (BLAS's parameter errors print there), a returned result, or a changed argument.
+The fake kernels (attnlab.fake_ops) pass torch.library.opcheck and trace under
+torch.compile(fullgraph=True).
+
+The subprocess runs all of an op's cases in order and reports each one (begun, then its
+outcome) on a file; one that dies or hangs is blamed on the case it had begun, and a new
+subprocess resumes after it. Run as a script, this file is that subprocess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from attnlab import decode_cpu, flash_cpu
+
+CASE_TIMEOUT = 20.0  # seconds one case may run (each takes milliseconds)
+
+# ---------------------------------------------------------------------------------------------
+# decode_step: x (b, 1, d_in), w_qkv (d_out + 2 hkv hd, d_in), w_out (d_out, d_out), cos/sin
+# (rows, hd), keys_t/values_t (b, hkv, hd * capacity), int8 scales (b, hkv, capacity)
+
+B, D_IN, HEADS, KV_HEADS, HD, CAP, ROWS = 2, 6, 4, 2, 8, 64, 100
+D_OUT = HEADS * HD
+D_QKV = D_OUT + 2 * KV_HEADS * HD
+
+
+def decode_args(dtype: torch.dtype = torch.float32, bias: bool = True) -> dict:
+    """Valid arguments: position 3 written to slot 3, attending to slots 0..3 (a cache of
+    CAP slots in blocks of 16)."""
+    g = torch.Generator().manual_seed(0)
+    cache = (B, KV_HEADS, HD * CAP)
+    scales = (B, KV_HEADS, CAP) if dtype == torch.int8 else (0,)
+    return dict(
+        x=torch.randn(B, 1, D_IN, generator=g),
+        w_qkv=torch.randn(D_QKV, D_IN, generator=g),
+        b_qkv=torch.randn(D_QKV, generator=g) if bias else torch.empty(0),
+        w_out=torch.randn(D_OUT, D_OUT, generator=g),
+        b_out=torch.randn(D_OUT, generator=g) if bias else torch.empty(0),
+        cos=torch.randn(ROWS, HD, generator=g),
+        sin=torch.randn(ROWS, HD, generator=g),
+        keys_t=torch.zeros(cache, dtype=dtype),
+        values_t=torch.zeros(cache, dtype=dtype),
+        key_scales=torch.zeros(scales),
+        value_scales=torch.zeros(scales),
+        heads=HEADS,
+        position=3,
+        slot=3,
+        first=0,
+        count=4,
+        block=16,
+        scale=1 / math.sqrt(HD),
+    )
+
+
+def _every_other(shape, dtype=torch.float32):
+    """A non-contiguous tensor of `shape` (every other element of its last dimension)."""
+    *lead, last = shape
+    return torch.zeros(*lead, 2 * last, dtype=dtype)[..., ::2]
+
+
+def _int8(**changes):
+    """An int8 cache (with its scales), then `changes`."""
+    return lambda a: {**decode_args(torch.int8), **changes}
+
+
+def _cache(*shape, dtype=torch.float32):
+    """keys_t and values_t of this shape and dtype."""
+    return {"keys_t": torch.zeros(shape, dtype=dtype), "values_t": torch.zeros(shape, dtype=dtype)}
+
+
+NO_ROPE = {"cos": torch.empty(0), "sin": torch.empty(0)}
+
+
+CACHE = (B, KV_HEADS, HD * CAP)
+I8 = torch.int8
+
+# (case, the argument its error must name, the arguments it changes: a -> {name: value}).
+# A case named "valid..." must return a result.
+DECODE_CASES = [
+    ("valid", None, lambda a: {}),
+    ("valid_no_bias_no_rope", None, lambda a: {**decode_args(bias=False), **NO_ROPE}),
+    ("valid_bfloat16", None, lambda a: decode_args(torch.bfloat16)),
+    ("valid_int8", None, lambda a: decode_args(I8)),
+    ("valid_rolling_window", None, lambda a: {"position": 99, "slot": 35, "count": CAP}),
+    ("valid_block_over_capacity", None, lambda a: {"block": 10**9}),
+    ("valid_slot_outside_attended", None, lambda a: {"slot": 40}),
+    ("valid_2d_x", None, lambda a: {"x": a["x"][:, 0]}),
+    # x
+    ("x_batch_8_against_batch_1_cache", "keys_t", lambda a: {"x": torch.randn(8, 1, D_IN)}),
+    ("x_batch_0", "x", lambda a: {"x": torch.randn(0, 1, D_IN)}),
+    ("x_no_features", "x", lambda a: {"x": torch.randn(B, 1, 0)}),
+    ("x_rank_1", "x", lambda a: {"x": torch.randn(D_IN)}),
+    ("x_rank_4", "x", lambda a: {"x": torch.randn(B, 1, 1, D_IN)}),
+    ("x_two_tokens", "x", lambda a: {"x": torch.randn(B, 2, D_IN)}),
+    ("x_float64", "x", lambda a: {"x": a["x"].double()}),
+    ("x_bfloat16", "x", lambda a: {"x": a["x"].bfloat16()}),
+    ("x_non_contiguous", "x", lambda a: {"x": _every_other((B, 1, D_IN))}),
+    ("x_expanded", "x", lambda a: {"x": torch.randn(1, 1, D_IN).expand(B, 1, D_IN)}),
+    ("x_wrong_d_in", "w_qkv", lambda a: {"x": torch.randn(B, 1, D_IN + 1)}),
+    # w_qkv
+    ("w_qkv_rows_short", "w_qkv", lambda a: {"w_qkv": a["w_qkv"][:-1].contiguous()}),
+    ("w_qkv_rows_long", "w_qkv", lambda a: {"w_qkv": torch.randn(D_QKV + 4, D_IN)}),
+    ("w_qkv_rank_1", "w_qkv", lambda a: {"w_qkv": a["w_qkv"].flatten()}),
+    ("w_qkv_float64", "w_qkv", lambda a: {"w_qkv": a["w_qkv"].double()}),
+    ("w_qkv_transposed", "w_qkv", lambda a: {"w_qkv": torch.randn(D_IN, D_QKV).t()}),
+    # b_qkv
+    ("b_qkv_short", "b_qkv", lambda a: {"b_qkv": torch.randn(D_QKV - 1)}),
+    ("b_qkv_rank_2", "b_qkv", lambda a: {"b_qkv": torch.randn(1, D_QKV)}),
+    ("b_qkv_float64", "b_qkv", lambda a: {"b_qkv": a["b_qkv"].double()}),
+    ("b_qkv_non_contiguous", "b_qkv", lambda a: {"b_qkv": _every_other((D_QKV,))}),
+    # w_out
+    ("w_out_not_square", "w_out", lambda a: {"w_out": torch.randn(D_OUT, D_OUT + 1)}),
+    ("w_out_rank_3", "w_out", lambda a: {"w_out": torch.randn(1, D_OUT, D_OUT)}),
+    ("w_out_empty", "w_out", lambda a: {"w_out": torch.randn(0, 0)}),
+    ("w_out_float64", "w_out", lambda a: {"w_out": a["w_out"].double()}),
+    ("w_out_transposed", "w_out", lambda a: {"w_out": a["w_out"].t()}),
+    ("w_out_wider_layer", "w_qkv", lambda a: {"w_out": torch.randn(2 * D_OUT, 2 * D_OUT)}),
+    # b_out
+    ("b_out_long", "b_out", lambda a: {"b_out": torch.randn(D_OUT + 1)}),
+    ("b_out_rank_2", "b_out", lambda a: {"b_out": torch.randn(D_OUT, 1)}),
+    ("b_out_float64", "b_out", lambda a: {"b_out": a["b_out"].double()}),
+    # cos / sin
+    ("cos_without_sin", "sin", lambda a: {"sin": torch.empty(0)}),
+    ("sin_without_cos", "cos", lambda a: {"cos": torch.empty(0)}),
+    ("cos_wrong_head_dim", "cos", lambda a: {"cos": torch.randn(ROWS, HD + 4)}),
+    ("cos_rank_1", "cos", lambda a: {"cos": torch.randn(ROWS * HD)}),
+    ("cos_float64", "cos", lambda a: {"cos": a["cos"].double()}),
+    ("cos_transposed", "cos", lambda a: {"cos": torch.randn(HD, ROWS).t()}),
+    ("sin_fewer_rows", "sin", lambda a: {"sin": torch.randn(ROWS // 2, HD)}),
+    ("sin_bfloat16", "sin", lambda a: {"sin": a["sin"].bfloat16()}),
+    # position
+    ("position_past_rope_table", "position", lambda a: {"position": ROWS}),
+    ("position_huge", "position", lambda a: {"position": 10**12}),
+    ("position_negative", "position", lambda a: {"position": -1}),
+    ("position_negative_no_rope", "position", lambda a: {"position": -1, **NO_ROPE}),
+    # keys_t / values_t
+    ("cache_float64", "keys_t", lambda a: {"keys_t": a["keys_t"].double()}),
+    ("cache_float16", "keys_t", lambda a: _cache(*CACHE, dtype=torch.float16)),
+    ("cache_int32", "keys_t", lambda a: _cache(*CACHE, dtype=torch.int32)),
+    ("values_t_other_dtype", "values_t", lambda a: {"values_t": a["values_t"].bfloat16()}),
+    ("cache_batch_1", "keys_t", lambda a: _cache(1, KV_HEADS, HD * CAP)),
+    ("cache_rank_4", "keys_t", lambda a: _cache(B, KV_HEADS, CAP, HD)),
+    ("kv_heads_0", "kv_heads", lambda a: _cache(B, 0, HD * CAP)),
+    ("kv_heads_3", "kv_heads", lambda a: _cache(B, 3, HD * CAP)),
+    ("kv_heads_8", "kv_heads", lambda a: _cache(B, 8, HD * CAP)),
+    ("cache_ragged_row", "keys_t", lambda a: _cache(B, KV_HEADS, HD * CAP + 3)),
+    ("cache_no_slots", "keys_t", lambda a: _cache(B, KV_HEADS, 0)),
+    ("values_t_shorter", "values_t", lambda a: {"values_t": torch.zeros(B, 2, HD * (CAP - 1))}),
+    ("keys_t_non_contiguous", "keys_t", lambda a: {"keys_t": _every_other(CACHE)}),
+    ("values_t_non_contiguous", "values_t", lambda a: {"values_t": _every_other(CACHE)}),
+    ("keys_t_expanded", "keys_t", lambda a: {"keys_t": torch.zeros(1, 2, HD * CAP).expand(CACHE)}),
+    # key_scales / value_scales
+    ("int8_without_scales", "key_scales", _int8(key_scales=torch.empty(0))),
+    ("int8_without_value_scales", "value_scales", _int8(value_scales=torch.empty(0))),
+    ("int8_scales_short", "key_scales", _int8(key_scales=torch.zeros(B, 2, CAP - 1))),
+    ("int8_scales_rank_2", "value_scales", _int8(value_scales=torch.zeros(B * 2, CAP))),
+    ("int8_scales_float64", "key_scales", _int8(key_scales=torch.zeros(B, 2, CAP).double())),
+    ("int8_scales_non_contiguous", "key_scales", _int8(key_scales=_every_other((B, 2, CAP)))),
+    ("int8_scales_int8", "value_scales", _int8(value_scales=torch.zeros(B, 2, CAP, dtype=I8))),
+    ("float32_cache_with_scales", "key_scales", lambda a: {"key_scales": torch.zeros(B, 2, CAP)}),
+    (
+        "bfloat16_cache_with_scales",
+        "value_scales",
+        lambda a: {**decode_args(torch.bfloat16), "value_scales": torch.zeros(B, 2, CAP)},
+    ),
+    # heads
+    ("heads_0", "heads", lambda a: {"heads": 0}),
+    ("heads_negative", "heads", lambda a: {"heads": -4}),
+    ("heads_3_not_dividing", "heads", lambda a: {"heads": 3}),
+    ("heads_5_not_dividing", "heads", lambda a: {"heads": 5}),
+    ("heads_64_more_than_d_out", "heads", lambda a: {"heads": 64}),
+    ("heads_huge", "heads", lambda a: {"heads": 2**62}),
+    ("heads_16_head_dim_2", "head_dim", lambda a: {"heads": 16}),
+    ("heads_8_other_layout", "w_qkv", lambda a: {"heads": 8}),
+    ("heads_1_fewer_than_kv_heads", "kv_heads", lambda a: {"heads": 1}),
+    # slot
+    ("slot_10_000_000", "slot", lambda a: {"slot": 10_000_000}),
+    ("slot_negative", "slot", lambda a: {"slot": -5}),
+    ("slot_capacity", "slot", lambda a: {"slot": CAP}),
+    ("slot_most_negative", "slot", lambda a: {"slot": -(2**63)}),
+    # first / count
+    ("first_negative", "first", lambda a: {"first": -1}),
+    ("first_capacity", "first", lambda a: {"first": CAP, "count": 1}),
+    ("first_huge", "first", lambda a: {"first": 2**62}),
+    ("count_0", "count", lambda a: {"count": 0}),
+    ("count_negative", "count", lambda a: {"count": -1}),
+    ("count_10_000_000", "count", lambda a: {"count": 10_000_000}),
+    ("count_past_capacity", "count", lambda a: {"first": 60, "count": 5}),
+    ("count_overflowing_first", "count", lambda a: {"first": 1, "count": 2**63 - 1}),
+    # block
+    ("block_0", "block", lambda a: {"block": 0}),
+    ("block_negative", "block", lambda a: {"block": -16}),
+    ("block_most_negative", "block", lambda a: {"block": -(2**63)}),
+    # scale
+    ("scale_nan", "scale", lambda a: {"scale": math.nan}),
+    ("scale_inf", "scale", lambda a: {"scale": math.inf}),
+    ("scale_minus_inf", "scale", lambda a: {"scale": -math.inf}),
+    ("scale_0", "scale", lambda a: {"scale": 0.0}),
+    ("scale_negative", "scale", lambda a: {"scale": -0.5}),
+]
+
+# ---------------------------------------------------------------------------------------------
+# causal_flash_forward: q (b, hq, tq, d), k/v (b, hkv, tk, d), mask broadcastable to
+# (b, hq, tq, tk), key ranges int64 (b,)
+
+FB, HQ, HKV, TQ, TK, D = 2, 4, 2, 12, 16, 8
+LONG = torch.int64
+
+
+def flash_args() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        q=torch.randn(FB, HQ, TQ, D, generator=g),
+        k=torch.randn(FB, HKV, TK, D, generator=g),
+        v=torch.randn(FB, HKV, TK, D, generator=g),
+        mask=torch.empty(0),
+        key_start=torch.empty(0, dtype=LONG),
+        key_end=torch.empty(0, dtype=LONG),
+        scale=1 / math.sqrt(D),
+        causal=True,
+        q_split=128,
+        kv_split=512,
+        diag_split=32,
+    )
+
+
+def _kv(*shape, dtype=torch.float32):
+    return {"k": torch.randn(*shape, dtype=dtype), "v": torch.randn(*shape, dtype=dtype)}
+
+
+def _ranges(starts, ends, dtype=LONG):
+    return {
+        "key_start": torch.tensor(starts, dtype=dtype),
+        "key_end": torch.tensor(ends, dtype=dtype),
+    }
+
+
+FLASH_CASES = [
+    ("valid", None, lambda a: {}),
+    ("valid_not_causal", None, lambda a: {"causal": False}),
+    ("valid_broadcast_mask", None, lambda a: {"mask": torch.zeros(1, 1, TQ, TK)}),
+    ("valid_full_mask", None, lambda a: {"mask": torch.zeros(FB, HQ, TQ, TK)}),
+    ("valid_key_ranges", None, lambda a: _ranges([0, 3], [TK, 10])),
+    ("valid_empty_ranges", None, lambda a: _ranges([TK, 0], [TK, 0])),
+    ("valid_small_blocks", None, lambda a: {"q_split": 5, "kv_split": 3, "diag_split": 2}),
+    ("valid_token_stride", None, lambda a: {"q": torch.randn(FB, HQ, TQ, 2 * D)[..., :D]}),
+    # q / k / v
+    ("q_rank_3", "q", lambda a: {"q": torch.randn(HQ, TQ, D)}),
+    ("k_rank_5", "k", lambda a: _kv(1, FB, HKV, TK, D)),
+    ("v_rank_3", "v", lambda a: {"v": torch.randn(HKV, TK, D)}),
+    ("q_float64", "q", lambda a: {"q": a["q"].double()}),
+    ("k_bfloat16", "k", lambda a: _kv(FB, HKV, TK, D, dtype=torch.bfloat16)),
+    ("v_float16", "v", lambda a: {"v": a["v"].half()}),
+    ("q_features_strided", "q", lambda a: {"q": torch.randn(FB, HQ, TQ, 2 * D)[..., ::2]}),
+    (
+        "k_tokens_overlapping",
+        "k",
+        lambda a: {
+            "k": torch.randn(FB * HKV * TK * D).as_strided((FB, HKV, TK, D), (64, 32, 1, 1))
+        },
+    ),
+    (
+        "q_token_stride_past_int_max",
+        "q",
+        lambda a: {"q": torch.randn(FB * HQ * D).as_strided((FB, HQ, 1, D), (HQ * D, D, 2**40, 1))},
+    ),
+    ("head_dim_0", "q", lambda a: {"q": torch.randn(FB, HQ, TQ, 0), **_kv(FB, HKV, TK, 0)}),
+    ("k_head_dim_4_q_8", "k", lambda a: _kv(FB, HKV, TK, 4)),
+    ("q_head_dim_4_k_8", "k", lambda a: {"q": torch.randn(FB, HQ, TQ, 4)}),
+    ("v_shorter_than_k", "v", lambda a: {"v": torch.randn(FB, HKV, TK - 4, D)}),
+    ("v_fewer_heads", "v", lambda a: {"v": torch.randn(FB, 1, TK, D)}),
+    ("v_other_head_dim", "v", lambda a: {"v": torch.randn(FB, HKV, TK, 2 * D)}),
+    ("kv_batch_1", "k", lambda a: _kv(1, HKV, TK, D)),
+    ("kv_heads_0", "heads", lambda a: _kv(FB, 0, TK, D)),
+    ("kv_heads_3", "heads", lambda a: _kv(FB, 3, TK, D)),
+    ("kv_heads_8", "heads", lambda a: _kv(FB, 8, TK, D)),
+    # mask
+    ("mask_float64", "mask", lambda a: {"mask": torch.zeros(FB, HQ, TQ, TK).double()}),
+    ("mask_bool", "mask", lambda a: {"mask": torch.ones(FB, HQ, TQ, TK, dtype=torch.bool)}),
+    ("mask_rank_2", "mask", lambda a: {"mask": torch.zeros(TQ, TK)}),
+    ("mask_rank_5", "mask", lambda a: {"mask": torch.zeros(1, FB, HQ, TQ, TK)}),
+    ("mask_fewer_keys", "mask", lambda a: {"mask": torch.zeros(FB, HQ, TQ, TK - 1)}),
+    ("mask_more_queries", "mask", lambda a: {"mask": torch.zeros(1, 1, TQ + 1, TK)}),
+    ("mask_batch_3", "mask", lambda a: {"mask": torch.zeros(3, 1, TQ, TK)}),
+    ("mask_4d_empty", "mask", lambda a: {"mask": torch.zeros(FB, HQ, TQ, 0)}),
+    # key ranges
+    ("key_start_without_key_end", "key_end", lambda a: {"key_start": torch.zeros(FB, dtype=LONG)}),
+    ("key_end_without_key_start", "key_start", lambda a: {"key_end": torch.zeros(FB, dtype=LONG)}),
+    ("key_ranges_int32", "key_start", lambda a: _ranges([0, 0], [TK, TK], torch.int32)),
+    ("key_ranges_float", "key_start", lambda a: _ranges([0, 0], [TK, TK], torch.float32)),
+    ("key_ranges_batch_3", "key_start", lambda a: _ranges([0, 0, 0], [TK, TK, TK])),
+    ("key_ranges_rank_2", "key_start", lambda a: _ranges([[0], [0]], [[TK], [TK]])),
+    (
+        "key_start_non_contiguous",
+        "key_start",
+        lambda a: {**_ranges([0, 0], [TK, TK]), "key_start": torch.zeros(2 * FB, dtype=LONG)[::2]},
+    ),
+    ("key_start_negative", "key range", lambda a: _ranges([-1, 0], [TK, TK])),
+    ("key_end_past_keys", "key range", lambda a: _ranges([0, 0], [TK, TK + 1])),
+    ("key_end_10_pow_9", "key range", lambda a: _ranges([0, 0], [10**9, TK])),
+    ("key_start_after_key_end", "key range", lambda a: _ranges([0, 9], [TK, 8])),
+    ("key_start_most_negative", "key range", lambda a: _ranges([0, -(2**63)], [TK, TK])),
+    # scale
+    ("scale_nan", "scale", lambda a: {"scale": math.nan}),
+    ("scale_inf", "scale", lambda a: {"scale": math.inf}),
+    ("scale_minus_inf", "scale", lambda a: {"scale": -math.inf}),
+    ("scale_0", "scale", lambda a: {"scale": 0.0}),
+    ("scale_negative", "scale", lambda a: {"scale": -0.5}),
+    # block sizes
+    ("q_split_0", "q_split", lambda a: {"q_split": 0}),
+    ("q_split_negative", "q_split", lambda a: {"q_split": -128}),
+    ("q_split_huge", "q_split", lambda a: {"q_split": 2**40}),
+    ("kv_split_0", "kv_split", lambda a: {"kv_split": 0, "diag_split": 0}),
+    ("kv_split_huge", "kv_split", lambda a: {"kv_split": 2**40}),
+    ("diag_split_0", "diag_split", lambda a: {"diag_split": 0}),
+    ("diag_split_negative", "diag_split", lambda a: {"diag_split": -32}),
+    ("diag_split_past_kv_split", "diag_split", lambda a: {"diag_split": 513}),
+]
+
+OPS = {
+    "decode_step": ("attnlab_decode", decode_cpu, decode_args, DECODE_CASES),
+    "causal_flash_forward": ("attnlab", flash_cpu, flash_args, FLASH_CASES),
+}
+VALID_SHAPES = {  # what a valid call returns: shapes of its tensors
+    "decode_step": [[B, 1, D_OUT]],
+    "causal_flash_forward": [[FB, HQ, TQ, D], [FB, HQ, TQ]],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# the subprocess
+
+
+def _child(op_name: str, start: int, report_path: str) -> None:
+    """Run cases start.. of `op_name`, each with fd 1 and 2 sent to a file of its own, and
+    report each (begun, then its outcome and anything printed) as JSON lines."""
+    namespace, module, make_args, cases = OPS[op_name]
+    if module.load_error() is not None:  # built by the parent: loaded silently here
+        raise SystemExit(module.load_error())
+    op = getattr(getattr(torch.ops, namespace), op_name).default
+    libc = ctypes.CDLL(None)
+    saved = os.dup(1), os.dup(2)
+    with open(report_path, "a") as report:
+        for index in range(start, len(cases)):
+            report.write(json.dumps({"begin": index}) + "\n")
+            report.flush()
+            args = make_args()
+            args.update(cases[index][2](args))
+            before = {k: t.clone() for k, t in args.items() if isinstance(t, torch.Tensor)}
+            with tempfile.TemporaryFile() as printed:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.dup2(printed.fileno(), 1), os.dup2(printed.fileno(), 2)
+                try:
+                    result = op(**args)
+                    outcome = {"returned": _shapes(result)}
+                except Exception as error:
+                    outcome = {"raised": type(error).__name__, "message": str(error)}
+                finally:
+                    sys.stdout.flush(), sys.stderr.flush()
+                    libc.fflush(None)  # C's stdio buffers (BLAS's messages)
+                    os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+                printed.seek(0)
+                outcome["printed"] = printed.read().decode(errors="replace")
+            if "raised" in outcome:
+                outcome["changed"] = [k for k, t in before.items() if not _same(t, args[k])]
+            report.write(json.dumps({"end": index, **outcome}) + "\n")
+            report.flush()
+
+
+def _shapes(result) -> list[list[int]]:
+    tensors = result if isinstance(result, (list, tuple)) else [result]
+    return [list(t.shape) for t in tensors]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _differs(a, b) -> bool:
+    """Whether a case's value differs from the valid one (values, dtype, shape or strides)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return not (_same(a, b) and a.stride() == b.stride())
+    return type(a) is not type(b) or a != b
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent
+
+
+def _run_cases(op_name: str, tmp_dir: str) -> tuple[dict[int, dict], list[str]]:
+    """Every case's outcome (a case that killed or hung its subprocess: {"died": returncode}
+    or {"hung": seconds}), and what the subprocesses themselves printed or returned wrong."""
+    cases = OPS[op_name][3]
+    outcomes: dict[int, dict] = {}
+    problems: list[str] = []
+    start, run = 0, 0
+    while start < len(cases):
+        report = os.path.join(tmp_dir, f"{op_name}-{run}.jsonl")
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            process = subprocess.Popen(
+                [sys.executable, __file__, op_name, str(start), report], stdout=out, stderr=err
+            )
+            begun, since, hung = None, time.monotonic(), False
+            while process.poll() is None:
+                time.sleep(0.02)
+                events = _read(report)
+                last = events[-1] if events else None
+                if last is not None and "begin" in last and last["begin"] != begun:
+                    begun, since = last["begin"], time.monotonic()
+                if time.monotonic() - since > CASE_TIMEOUT:
+                    process.kill()
+                    process.wait()
+                    hung = True
+            events = _read(report)
+            for event in events:
+                if "end" in event:
+                    outcomes[event.pop("end")] = event
+            unfinished = [e["begin"] for e in events if "begin" in e and e["begin"] not in outcomes]
+            if unfinished:  # the case it had begun killed it, or hung
+                index = unfinished[0]
+                outcomes[index] = {"hung": CASE_TIMEOUT} if hung else {"died": process.returncode}
+                start = index + 1
+            else:
+                if process.returncode != 0 or len(outcomes) < len(cases):
+                    problems.append(f"run {run} exited {process.returncode} after case {start}")
+                start = len(cases)
+            for stream, what in ((out, "stdout"), (err, "stderr")):
+                stream.seek(0)
+                text = stream.read().decode(errors="replace")
+                if text and not unfinished:
+                    problems.append(f"run {run} printed on {what}: {text[-2000:]}")
+        run += 1
+    return outcomes, problems
+
+
+def _read(path: str) -> list[dict]:
+    try:
+        with open(path) as report:
+            lines = report.read().splitlines()
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # a line still being written
+            break
+    return events
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each op's outcomes and problems, run once per module."""
+    done: dict[str, tuple[dict[int, dict], list[str]]] = {}
+
+    def get(op_name):
+        if op_name not in done:
+            module = OPS[op_name][1]
+            if not module.available():
+                pytest.skip(f"{op_name}'s extension is unavailable: {module.load_error()}")
+            done[op_name] = _run_cases(op_name, str(tmp_path_factory.mktemp(op_name)))
+        return done[op_name]
+
+    return get
+
+
+CASES = [(op, index, case[0]) for op, spec in OPS.items() for index, case in enumerate(spec[3])]
+
+
+@pytest.mark.parametrize(("op_name", "index", "case"), CASES, ids=[f"{o}-{c}" for o, _, c in CASES])
+def test_every_out_of_range_argument_is_a_runtime_error(op_name, index, case, results):
+    outcomes, problems = results(op_name)
+    assert not problems, problems
+    outcome = outcomes.get(index)
+    assert outcome is not None, f"{case}: no outcome reported"
+    assert "died" not in outcome, f"{case}: the process died (returncode {outcome['died']})"
+    assert "hung" not in outcome, f"{case}: the call hung (> {outcome['hung']} s)"
+    assert outcome["printed"] == "", f"{case} printed: {outcome['printed']!r}"
+    name = OPS[op_name][3][index][1]
+    if name is None:  # a valid call
+        assert "raised" not in outcome, f"{case} raised {outcome}"
+        assert outcome["returned"] == VALID_SHAPES[op_name]
+        return
+    assert "returned" not in outcome, f"{case} returned a result {outcome['returned']}"
+    assert outcome["raised"] == "RuntimeError", outcome
+    message = outcome["message"]
+    assert message.startswith(f"{op_name}: "), message  # the op's own check, not torch's
+    assert re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", message), (name, message)
+    assert outcome["changed"] == [], f"{case} changed {outcome['changed']} before raising"
+
+
+def test_the_fuzz_cases_cover_every_argument():
+    """Each argument of each op's schema is pushed out of range by at least one case."""
+    for op_name, (namespace, module, make_args, cases) in OPS.items():
+        if not module.available():
+            continue
+        schema = getattr(getattr(torch.ops, namespace), op_name).default._schema
+        valid = make_args()
+        changed = set()
+        for _, name, change in cases:
+            if name is not None:
+                changed |= {k for k, v in change(valid).items() if _differs(v, valid[k])}
+        arguments = {a.name for a in schema.arguments} - {"causal"}  # any bool is valid
+        assert arguments <= changed, (op_name, arguments - changed)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake kernels
+
+
+def _op_and_args(op_name):
+    namespace, module, make_args, _ = OPS[op_name]
+    if not module.available():
+        pytest.skip(f"{op_name}'s extension is unavailable: {module.load_error()}")
+    return getattr(getattr(torch.ops, namespace), op_name).default, make_args()
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_fake_kernels_pass_opcheck(op_name):
+    op, args = _op_and_args(op_name)
+    torch.library.opcheck(op, (), args)
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_fake_kernel_matches_the_real_outputs(op_name):
+    """Shapes, strides and dtypes of the fake kernel's outputs equal the real op's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, args = _op_and_args(op_name)
+    real = op(**args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                     for k, v in args.items()}  # fmt: skip
+        fake = op(**fake_args)
+    real, fake = (r if isinstance(r, list) else [r] for r in (real, fake))
+    assert [(t.shape, t.stride(), t.dtype) for t in fake] == [
+        (t.shape, t.stride(), t.dtype) for t in real
+    ]
+
+
+def test_compile_traces_both_ops_in_one_graph():
+    """torch.compile(fullgraph=True) traces calls to both ops (their fake kernels), with
+    the same results as eager calls, the decode step's cache writes included."""
+    decode, decode_kwargs = _op_and_args("decode_step")
+    flash, flash_kwargs = _op_and_args("causal_flash_forward")
+
+    def both(decode_kwargs, flash_kwargs):
+        y = decode(**decode_kwargs)
+        out, lse = flash(**flash_kwargs)
+        return y + 1, out * 2, lse
+
+    compiled = torch.compile(both, fullgraph=True, backend="aot_eager")
+    eager_decode = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in decode_kwargs.items()}  # fmt: skip
+    expected = both(eager_decode, flash_kwargs)
+    got = compiled(decode_kwargs, flash_kwargs)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(decode_kwargs["keys_t"], eager_decode["keys_t"], atol=0, rtol=0)
+    assert decode_kwargs["keys_t"].abs().sum() > 0  # the compiled call wrote the cache
+
+
+if __name__ == "__main__":  # the subprocess of _run_cases
+    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3])
