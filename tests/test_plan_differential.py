@@ -41,14 +41,15 @@ def _global_hook():
     return nn.modules.module.register_module_forward_hook(scale)
 
 
-# action -> (what it does to the module, a context the calls run in, the error it must give)
+# action -> (what it does to the module, a context the calls run in, the error it must give:
+# type, message, and the fewest tokens that meet it)
 ACTIONS = {
     "nothing": (lambda m, name: None, None, None),
     "replace, right size": (lambda m, name: setattr(m, name, _right(m, name)), None, None),
     "replace, wrong size": (
         lambda m, name: setattr(m, name, nn.Linear(16, 24)),
         None,
-        (ValueError, "must be a Linear of weight"),
+        (ValueError, "must be a Linear of weight", 1),
     ),
     "subclass": (lambda m, name: setattr(m, name, _copy_into(Doubled, m, name)), None, None),
     "LoRA": (lambda m, name: setattr(m, name, LoRA(getattr(m, name))), None, None),
@@ -82,7 +83,7 @@ ACTIONS = {
     "rope too short": (
         lambda m, name: setattr(m, "rope", RotaryEmbedding(8, 4)),
         None,
-        (ValueError, "rope's tables hold 4 positions"),
+        (ValueError, "rope's tables hold 4 positions", 5),
     ),
     "float64": (lambda m, name: m.double(), None, None),
     "autocast": (
@@ -133,11 +134,12 @@ def test_every_path_is_the_reference_or_the_same_named_error(
     try:
         with (context or contextlib.nullcontext)(), torch.no_grad():
             for path, call in _paths(m, x, short, long, steps):
-                if error is not None:
+                tokens = _tokens(path, short, long, steps)
+                if error is not None and tokens >= error[2]:
                     with pytest.raises(error[0], match=error[1]):
                         call()
                     continue
-                got, want = call(), reference(m, x[:, : _tokens(path, short, long, steps)])
+                got, want = call(), reference(m, x[:, :tokens])
                 torch.testing.assert_close(
                     got.double(), want, rtol=tolerance, atol=tolerance, msg=f"{action}: {path}"
                 )

@@ -282,11 +282,11 @@ class MultiHeadAttention(nn.Module):
             head_dims=(self.head_dim,),
             mask=mask,
         )
-        self._check_layers(start, x.shape[1], context)
         if cache is not None and context is None and mask is None and not need_weights:
-            out = self._native_step(x, cache)
+            out = self._native_step(x, cache)  # the plan's allow-list: layers of exact shapes
             if out is not None:
                 return out
+        self._check_layers(start, x.shape[1], context)
         self._check_finite("x", x)
         if cache is None:
             return self._attend(x, context, mask, need_weights, start, None)
@@ -578,9 +578,14 @@ class MultiHeadAttention(nn.Module):
             check_finite(name, x)
 
     def _parameter(self) -> torch.Tensor:
-        """A parameter whose dtype and device inputs must match: the first projection's."""
-        first = next(iter(self._projections()))
-        for tensor in self._modules[first].parameters():
+        """A parameter whose dtype and device inputs must match: the first projection's
+        (its weight's own entry read directly where it has one: paid per call)."""
+        first = "qkv_proj" if self.fused else "q_proj"
+        layer = self._modules[first]
+        weight = layer._parameters.get("weight")
+        if weight is not None:
+            return weight
+        for tensor in layer.parameters():
             return tensor
         raise ValueError(f"{first} holds no parameters: its dtype and device are unknown")
 

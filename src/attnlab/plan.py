@@ -64,12 +64,20 @@ def plain_linear(layer: object, shape: tuple[int, int]) -> bool:
     layer) of weight `shape` (out, in), contiguous, with no bias or a bias of (out,), and no
     hook of its own: what a fast path computes in its place is then what calling it gives,
     global hooks aside (no_global_hooks)."""
-    if type(layer) is not nn.Linear or any(getattr(layer, name) for name in _HOOKS):
+    if type(layer) is not nn.Linear:
         return False
-    weight, bias = layer._parameters["weight"], layer._parameters["bias"]
-    if weight is None or tuple(weight.shape) != shape or not weight.is_contiguous():
+    state = layer.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
+    if (
+        state["_forward_hooks"]
+        or state["_forward_pre_hooks"]
+        or state["_backward_hooks"]
+        or state["_backward_pre_hooks"]
+    ):
         return False
-    return bias is None or (tuple(bias.shape) == shape[:1] and bias.is_contiguous())
+    weight, bias = state["_parameters"]["weight"], state["_parameters"]["bias"]
+    if weight is None or weight.shape != shape or not weight.is_contiguous():
+        return False
+    return bias is None or (bias.shape == shape[:1] and bias.is_contiguous())
 
 
 def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int, int]) -> bool:
@@ -116,14 +124,19 @@ def native_module(module: MultiHeadAttention) -> tuple[nn.Linear, nn.Linear] | N
         return None
     if not plain_linear(out, (module.d_out, module.d_out)) or not no_global_hooks():
         return None
-    for layer in (qkv, out):
-        for param in layer._parameters.values():
-            if param is not None and (param.dtype != torch.float32 or not param.is_cpu):
-                return None
+    if not (_float32_cpu(qkv) and _float32_cpu(out)):
+        return None
     rope = layers.get("rope")
     if rope is not None and not _own_rope(rope, module.head_dim):
         return None
     return qkv, out
+
+
+def _float32_cpu(layer: nn.Linear) -> bool:
+    weight, bias = layer._parameters["weight"], layer._parameters["bias"]
+    if weight.dtype != torch.float32 or not weight.is_cpu:
+        return False
+    return bias is None or (bias.dtype == torch.float32 and bias.is_cpu)
 
 
 def native_decode(

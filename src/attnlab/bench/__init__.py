@@ -20,6 +20,7 @@ from rich.progress import Progress
 
 from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
+from attnlab.bench.fixed_cost import print_fixed_cost, run_fixed_cost
 from attnlab.bench.memory import MemoryReport, memory_steps, run_memory
 from attnlab.bench.printing import (
     plot_compare,
@@ -32,6 +33,7 @@ from attnlab.bench.printing import (
 if TYPE_CHECKING:  # attnlab.parallel (torch.distributed) loads only for --parallel
     from attnlab.bench.parallel import ParallelReport
 
+QUICK_FIXED_COST = {"rounds": 1, "min_run_time": 0.01}
 QUICK_DECODE = {
     "contexts": (32, 128),
     "layers": 2,
@@ -132,8 +134,11 @@ def decode_command(
         task = progress.add_task("decoding", total=steps)
         report = run_decode(progress=_advance(progress, task), **options)
     print_decode(report, console)
+    with console.status("the fixed cost of a step per layer"):
+        fixed = run_fixed_cost(**(QUICK_FIXED_COST if quick else {}))
+    print_fixed_cost(fixed, console)
     if json_path is not None:
-        write_json(report.to_dict(), json_path)
+        write_json({**report.to_dict(), "fixed_cost": fixed.to_dict()}, json_path)
         console.print(f"figures written to {json_path}")
     return report
 

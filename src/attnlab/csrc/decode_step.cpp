@@ -47,6 +47,16 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
 constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
+// floats a thread must have to read before a parallel region pays for itself: starting one
+// (waking the other threads, joining them) costs microseconds, and a tiny layer's whole
+// step is a few of them; below this, work items run on the calling thread, and the other
+// threads stay asleep (they are not woken to spin at all)
+constexpr int64_t kMinParallelFloats = 32768;
+
+// the grain of a parallel_for whose items read `floats_per_item` floats each
+int64_t grain_for(int64_t floats_per_item) {
+  return std::max<int64_t>(1, kMinParallelFloats / std::max<int64_t>(1, floats_per_item));
+}
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -172,7 +182,8 @@ void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float*
 void project(const float* x, int64_t rows, int64_t in, const float* w, const float* bias,
              int64_t out, float* y) {
   const int64_t blocks = out / kRows;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, std::max<int64_t>(8, grain_for(kRows * in)), [&](int64_t begin,
+                                                                              int64_t end) {
     float sums[2 * kRows];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t j = blk * kRows;
@@ -727,7 +738,9 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
     }
   }
   const int64_t groups = a.heads / a.kv_heads;
-  at::parallel_for(0, batch * a.kv_heads * a.chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t item_floats = 2 * std::min(a.chunk, a.count) * a.hd;  // its keys and values
+  at::parallel_for(0, batch * a.kv_heads * a.chunks, grain_for(item_floats), [&](int64_t begin,
+                                                                                  int64_t end) {
     std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, a.block));
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
