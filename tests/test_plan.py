@@ -277,3 +277,25 @@ def test_a_cache_made_in_inference_mode_continued_outside_is_a_named_error():
     with torch.no_grad(), pytest.raises(ValueError, match=r"made under torch\.inference_mode"):
         m(torch.randn(1, 1, 16), cache=cache)
     assert cache.position == 3
+
+
+# The kernels' Python faces sit below the module: none imports it (the package had one
+# import cycle, attention <-> decode_cpu).
+
+
+@pytest.mark.parametrize("name", ["decode_cpu", "matvec", "kv_cache", "rope", "fake_ops"])
+def test_a_kernel_below_the_module_never_imports_it(name):
+    import ast
+    from pathlib import Path
+
+    import attnlab
+
+    source = Path(attnlab.__file__).with_name(f"{name}.py").read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:  # the names, as modules too
+            imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            imported.discard("attnlab")  # `from attnlab import x` imports attnlab.x
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    assert not imported & {"attnlab.attention", "attnlab.plan"}, imported
