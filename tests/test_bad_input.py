@@ -562,6 +562,20 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         {},
     ),
     (
+        "masks.aligned_positions",
+        masks.aligned_positions,
+        lambda: {"num_queries": 3, "num_keys": 5, "offset": 1},
+        {"num_queries": int_cases(0), "num_keys": int_cases(0), "offset": int_cases(0)},
+        {},
+    ),
+    (
+        "masks.visible_keys",
+        masks.visible_keys,
+        lambda: {"query_position": 5, "window": 3},
+        {"query_position": int_cases(0), "window": int_cases()},
+        {},
+    ),
+    (
         "masks.position_mask",
         masks.position_mask,
         lambda: {

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from attnlab import masks
 from attnlab._validate import check_int
 
 
@@ -81,6 +82,6 @@ def bias(
     tq = check_int("num_queries", num_queries, minimum=0)
     tk = tq if num_keys is None else check_int("num_keys", num_keys, minimum=0)
     device = head_slopes.device
-    query_positions = torch.arange(tk - tq, tk, device=device)  # (tq,)
-    distance = torch.arange(tk, device=device)[None, :] - query_positions[:, None]  # (tq, tk)
+    query_positions, key_positions = masks.aligned_positions(tq, tk, device=device)  # (tq,), (tk,)
+    distance = key_positions[None, :] - query_positions[:, None]  # (tq, tk)
     return head_slopes[None, :, None, None] * distance.to(head_slopes.dtype)  # (1, h, tq, tk)

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
+from attnlab import masks
 from attnlab._validate import check_device, check_int
 
 _COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
@@ -194,11 +195,13 @@ class KVCache:
 
     def native_slots(self, start: int, window: int | None) -> tuple[int, int, int]:
         """For one token at position `start` attending to at most `window` keys: the slot it
-        is written to, then the first slot and the number of slots it attends to."""
+        is written to, then the first slot and the number of slots it attends to (the keys
+        of masks.visible_keys; a rolling cache holds exactly its window's, from slot 0)."""
         if self.rolling:
-            return start % self.capacity, 0, min(start + 1, self.capacity)
-        first = 0 if window is None else max(0, start + 1 - window)
-        return start, first, start + 1 - first
+            keys = masks.visible_keys(start, self.capacity)
+            return start % self.capacity, 0, len(keys)
+        keys = masks.visible_keys(start, window)  # slot = position
+        return start, keys.start, len(keys)
 
     @property
     def rolling(self) -> bool:

@@ -1,6 +1,10 @@
 """Every attention mask attnlab builds, in one polarity: boolean True where a query MAY attend
 to a key (the convention of F.scaled_dot_product_attention and Hugging Face).
 
+The causal rule (p_k <= p_q, and p_q - p_k < window) is written once (`_key_bounds`) and
+owned by one predicate, `position_mask`; every other mask and range here is built from them
+(position_mask's docstring lists who relies on the rule, and how).
+
 PyTorch's nn.MultiheadAttention uses the opposite polarity (True = blocked); convert at that
 boundary with `from_torch_mask` / `to_torch_mask`, nowhere else. Shapes: (queries, keys) for
 positional masks, (batch, 1, 1, keys) for padding, both broadcastable to the scores'
@@ -30,16 +34,90 @@ def _window(window: object) -> int:
     return min(check_int("window", window), _WIDEST_WINDOW)
 
 
-def _positions(
-    num_queries: int, num_keys: int | None, offset: int | None, device: torch.device | None
+def _key_bounds(query, window: int | None):
+    """The causal rule, the one place it is written: a query at position `query` may attend
+    to the keys at positions `first` through `last`, inclusive: last = query (no later key)
+    and, with a window, first = query - window + 1 (the `window` most recent keys, itself
+    included), None without one. `query` a Python int or an int64 tensor, `window` a
+    checked int or None; returns (first, last)."""
+    return (None if window is None else query - window + 1), query
+
+
+def _allowed(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The predicate (position_mask without its checks): True where the key lies within
+    the query's bounds (_key_bounds). int64 position tensors that broadcast together, e.g.
+    (q, 1) against (1, k)."""
+    first, last = _key_bounds(query_pos, window)
+    allowed = key_pos <= last
+    if first is not None:
+        allowed = allowed & (key_pos >= first)
+    return allowed
+
+
+def aligned_positions(
+    num_queries: int,
+    num_keys: int | None = None,
+    *,
+    offset: int | None = None,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absolute positions of the queries (column) and keys (row)."""
+    """Absolute positions of `num_queries` queries against `num_keys` keys laid in order:
+    key j is at position j, query i at offset + i. offset defaults to num_keys -
+    num_queries: the queries are the newest tokens (bottom-right aligned), as in decoding
+    with a cache; with more queries than keys the first ones then precede every key.
+
+    Args:
+        num_queries: queries (>= 0).
+        num_keys: keys (>= 0; default num_queries).
+        offset: absolute position of the first query (>= 0; default num_keys - num_queries).
+        device: where to build the positions (default the CPU).
+
+    Returns:
+        (query positions (num_queries,), key positions (num_keys,)), int64.
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a negative size or offset.
+
+    Examples:
+        >>> aligned_positions(2, 3)
+        (tensor([1, 2]), tensor([0, 1, 2]))
+    """
     num_queries = check_int("num_queries", num_queries, minimum=0)
     num_keys = num_queries if num_keys is None else check_int("num_keys", num_keys, minimum=0)
     offset = num_keys - num_queries if offset is None else check_int("offset", offset, minimum=0)
-    query_pos = torch.arange(num_queries, device=device).unsqueeze(1) + offset  # (q, 1)
-    key_pos = torch.arange(num_keys, device=device).unsqueeze(0)  # (1, k)
-    return query_pos, key_pos
+    query_pos = torch.arange(num_queries, device=device) + offset  # (q,)
+    return query_pos, torch.arange(num_keys, device=device)  # (q,), (k,)
+
+
+def visible_keys(query_position: int, window: int | None = None) -> range:
+    """The key positions a query at `query_position` may attend to, among keys at positions
+    0, 1, 2, ...: those position_mask allows it (both read the rule's bounds), for callers
+    that need a range rather than a mask and cannot pay for a tensor (KVCache.native_slots,
+    the slots the native decode step reads each token; the keys transformers' top-left
+    causal calls can reach).
+
+    Args:
+        query_position: an int >= 0.
+        window: an int >= 1, or None for plain causal.
+
+    Returns:
+        range(max(0, query_position + 1 - window), query_position + 1).
+
+    Raises:
+        TypeError: a non-int position or window.
+        ValueError: a negative position, or window < 1.
+
+    Examples:
+        >>> visible_keys(5, window=3)
+        range(3, 6)
+    """
+    if type(query_position) is not int or query_position < 0:  # plain ints skip the checks:
+        query_position = check_int("query_position", query_position, minimum=0)  # decoding
+    if window is not None and (type(window) is not int or window < 1):
+        window = _window(window)
+    first, last = _key_bounds(query_position, window)
+    return range(first if first is not None and first > 0 else 0, last + 1)
 
 
 def causal_mask(
@@ -72,8 +150,8 @@ def causal_mask(
         tensor([[ True,  True, False],
                 [ True,  True,  True]])
     """
-    query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
-    return key_pos <= query_pos
+    query_pos, key_pos = aligned_positions(num_queries, num_keys, offset=offset, device=device)
+    return _allowed(query_pos.unsqueeze(1), key_pos.unsqueeze(0), None)  # (q, k)
 
 
 def sliding_window_mask(
@@ -109,8 +187,8 @@ def sliding_window_mask(
                 [False,  True,  True]])
     """
     window = _window(window)
-    query_pos, key_pos = _positions(num_queries, num_keys, offset, device)
-    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+    query_pos, key_pos = aligned_positions(num_queries, num_keys, offset=offset, device=device)
+    return _allowed(query_pos.unsqueeze(1), key_pos.unsqueeze(0), window)  # (q, k)
 
 
 def position_mask(
@@ -118,6 +196,29 @@ def position_mask(
 ) -> torch.Tensor:
     """(queries, keys) bool from absolute positions (1-D integer tensors, keys in any order):
     causal, and with `window` each query sees at most the `window` most recent keys.
+
+    This is attnlab's causal rule, its one owner: a query at position p_q may attend to a key
+    at position p_k iff p_k <= p_q and, with a window w, p_q - p_k < w. Queries laid against
+    keys in order are bottom-right aligned (aligned_positions). Built from it here:
+    causal_mask and sliding_window_mask (the square mask with an offset, the window mask),
+    and visible_keys (the same bounds as a range of keys). Every Python path takes one of
+    these: MultiHeadAttention's positional mask (this, with a cache's slot positions, or
+    sliding_window_mask), functional.attention's bottom-right mask (more keys than queries,
+    a user mask, sinks, the math backend), flash_cpu's backward off the square, padded's
+    key ranges, the ring's explicit diagonal blocks, KVCache.native_slots (visible_keys,
+    the slots the native decode step reads), interop.hf's top-left calls (visible_keys),
+    alibi.bias (aligned_positions).
+
+    Places that rely on another implementation of the rule, each proven equal to it in
+    tests/test_causal_rule.py (the keys attended to, read off one-hot values and one-hot
+    gradients): PyTorch's top-left is_causal, used only where it is the same mask (square:
+    functional's "sdpa" backend without a mask, flash_cpu's square backward in key chunks,
+    the ring's fused diagonal blocks); the C++ causal kernel behind flash_cpu (offset
+    tk - tq, with and without key ranges); the C++ decode step over KVCache.native_slots'
+    slots, plain and rolling; parallel.layout's blocks (block_for, scores_per_rank), both
+    layouts; functional's single newest query, left unmasked (it sees every key). The
+    "torch" ring engine (PyTorch's context parallel, is_causal) is held to it by
+    tests/parallel/test_ring.py (equal to the math backend on the whole sequence).
 
     Args:
         query_positions: (queries,) integer tensor.
@@ -137,10 +238,7 @@ def position_mask(
     window = None if window is None else _window(window)
     query_pos = query_positions.long().unsqueeze(1)  # (q, 1): int64, no narrow wrap-around
     key_pos = key_positions.long().unsqueeze(0)  # (1, k)
-    allowed = key_pos <= query_pos
-    if window is not None:
-        allowed = allowed & (key_pos > query_pos - window)
-    return allowed
+    return _allowed(query_pos, key_pos, window)
 
 
 def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Tensor:

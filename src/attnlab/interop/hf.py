@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from attnlab import functional, qkv
+from attnlab import functional, masks, qkv
 from attnlab.attention import MultiHeadAttention
 
 NAME = "attnlab"
@@ -141,8 +141,12 @@ def attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     tk = key.shape[2]
-    if causal and tk > query.shape[2]:  # transformers' mask skip assumes SDPA's top-left
-        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]  # causal
+    # transformers' mask skip assumes SDPA's top-left causal alignment: query i at position
+    # i, so no query reaches past the last one's visible keys; attnlab's bottom-right causal
+    # over those keys is then the same mask
+    reached = masks.visible_keys(query.shape[2] - 1).stop if causal else tk
+    if reached < tk:
+        key, value = key[:, :, :reached], value[:, :, :reached]
     need_weights = arguments.pop("need_weights")
     result = functional.attention(
         query,

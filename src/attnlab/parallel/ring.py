@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from attnlab import heads
+from attnlab import heads, masks
 from attnlab.parallel.checks import check_arguments
 from attnlab.parallel.layout import Layout, block_for
 
@@ -301,9 +301,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, plan: _Plan) -> torc
     """Scaled scores (b, g, rows, cols) of q against a block's expanded keys, in the
     accumulation dtype; a causal (diagonal) block masks its future."""
     scores = (q.to(plan.acc) @ k.to(plan.acc).transpose(-2, -1)) * plan.scale
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, -torch.inf)
+    if causal:  # a diagonal block is square: its queries and keys share positions
+        allowed = masks.causal_mask(scores.shape[-2], scores.shape[-1], device=q.device)
+        scores = scores.masked_fill(~allowed, -torch.inf)
     return scores
 
 
