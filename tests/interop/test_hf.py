@@ -63,18 +63,10 @@ def _implementations(model) -> set:
 
 def _attnlab_calls(model) -> int:
     """How many times one forward of 3 tokens calls attnlab.functional.attention."""
-    calls, original = [], functional.attention
+    from attnlab.interop import coverage
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    functional.attention = counting
-    try:
-        with torch.no_grad():
-            model(torch.tensor([[3, 4, 5]]))
-    finally:
-        functional.attention = original
+    with coverage._count_calls() as calls, torch.no_grad():
+        model(torch.tensor([[3, 4, 5]]))
     return len(calls)
 
 
