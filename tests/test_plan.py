@@ -299,3 +299,17 @@ def test_a_kernel_below_the_module_never_imports_it(name):
         elif isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
     assert not imported & {"attnlab.attention", "attnlab.plan"}, imported
+
+
+def test_both_projections_of_a_plain_module_take_the_blocks_on_few_rows(monkeypatch):
+    """out_proj's output width is the module's to choose, so its expected shape has no out
+    width; the blocked product must still serve it."""
+    from attnlab import matvec
+
+    seen = []
+    linear = matvec.linear
+    monkeypatch.setattr(matvec, "linear", lambda x, w, b: seen.append(w.shape) or linear(x, w, b))
+    m = build(2)
+    with torch.no_grad():
+        m(torch.randn(1, 6, 16))
+    assert seen == [m.qkv_proj.weight.shape, m.out_proj.weight.shape]

@@ -395,7 +395,7 @@ class MultiHeadAttention(nn.Module):
                 "an int8 cache stores rounded keys and values, through which no gradient flows: "
                 "decode under torch.no_grad(), or use a floating-point cache"
             )
-        if _inference_outside(cache.keys_t):
+        if cache.locked_by_inference_mode:
             raise ValueError(
                 "the cache was made under torch.inference_mode(), whose tensors cannot be "
                 "written outside it: decode under inference_mode too, or make the cache "
@@ -629,15 +629,6 @@ def _sums_finite(x: torch.Tensor) -> bool:
     if not x.is_cpu or torch.compiler.is_compiling():
         return False
     return math.isfinite(x.sum().item())
-
-
-def _inference_outside(tensor: torch.Tensor) -> bool:
-    """True for an inference tensor outside inference mode, which cannot be written (never
-    while torch.compile traces: dynamo cannot trace is_inference, and cannot trace the
-    inference mode that makes such tensors either)."""
-    if torch.compiler.is_compiling():
-        return False
-    return tensor.is_inference() and not torch.is_inference_mode_enabled()
 
 
 def _keys_at(mask: torch.Tensor | None, key_positions: torch.Tensor) -> torch.Tensor | None:

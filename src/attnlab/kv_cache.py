@@ -193,6 +193,15 @@ class KVCache:
         """True when the buffers hold tensors autograd records (written under autograd)."""
         return self._keys_t.requires_grad or self._values_t.requires_grad
 
+    @property
+    def locked_by_inference_mode(self) -> bool:
+        """True when the buffers were made under torch.inference_mode() and the caller is
+        outside it, where they cannot be written (never while torch.compile traces: dynamo
+        can trace neither is_inference nor the inference mode that makes such tensors)."""
+        if torch.compiler.is_compiling():
+            return False
+        return self._keys_t.is_inference() and not torch.is_inference_mode_enabled()
+
     def native_slots(self, start: int, window: int | None) -> tuple[int, int, int]:
         """For one token at position `start` attending to at most `window` keys: the slot it
         is written to, then the first slot and the number of slots it attends to (the keys

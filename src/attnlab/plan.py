@@ -59,11 +59,11 @@ def no_global_hooks() -> bool:
     return not any(_GLOBAL_HOOKS)
 
 
-def plain_linear(layer: object, shape: tuple[int, int]) -> bool:
+def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
     """True when `layer` is exactly an nn.Linear (not a subclass, wrapper or parametrized
-    layer) of weight `shape` (out, in), contiguous, with no bias or a bias of (out,), and no
-    hook of its own: what a fast path computes in its place is then what calling it gives,
-    global hooks aside (no_global_hooks)."""
+    layer) of weight `shape` (out, in; out None: any width), contiguous, with no bias or a
+    bias of its output width, and no hook of its own: what a fast path computes in its
+    place is then what calling it gives, global hooks aside (no_global_hooks)."""
     if type(layer) is not nn.Linear:
         return False
     state = layer.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
@@ -75,12 +75,15 @@ def plain_linear(layer: object, shape: tuple[int, int]) -> bool:
     ):
         return False
     weight, bias = state["_parameters"]["weight"], state["_parameters"]["bias"]
-    if weight is None or weight.shape != shape or not weight.is_contiguous():
+    if weight is None or weight.dim() != 2 or not weight.is_contiguous():
         return False
-    return bias is None or (bias.shape == shape[:1] and bias.is_contiguous())
+    out, features = shape
+    if weight.shape[1] != features or (out is not None and weight.shape[0] != out):
+        return False
+    return bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())
 
 
-def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int, int]) -> bool:
+def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int | None, int]) -> bool:
     """Whether matvec.linear may compute `layer(x)` for x (..., in): a plain nn.Linear of
     `shape`, no global hooks, and matvec faster for x's rows (outside compilation, which
     fuses the projection itself and must not see the row count as a guard)."""
@@ -89,14 +92,14 @@ def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int, int]) -
     return matvec.helps(x, layer.weight)
 
 
-def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int, int]) -> torch.Tensor:
+def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int | None, int]) -> torch.Tensor:
     """layer(x), computed by matvec.linear where blocked_projection allows, else by calling
     the layer as it is (its hooks, subclass or wrapper included).
 
     Args:
         x: (..., in).
         layer: the projection, any module.
-        shape: the (out, in) weight the module expects of it.
+        shape: the (out, in) weight the module expects of it (out None: any width).
 
     Returns:
         layer(x).
@@ -168,7 +171,7 @@ def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:
     keys = cache.keys_t
     if not decode_cpu.reads(keys.dtype, keys.device) or cache.records_grad:
         return False
-    if keys.is_inference() and not torch.is_inference_mode_enabled():
+    if cache.locked_by_inference_mode:
         return False  # forward refuses to write it: never written behind its back
     if cache.window is not None and cache.window != module.window:
         return False  # a wider window: the Python path
