@@ -491,6 +491,24 @@ def test_buffers_autograd_saved_are_never_written_behind_its_back():
     assert _backends_agree(run) == ("refused", "refused")
 
 
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_native_step_bumps_the_version_of_every_buffer_it_writes(dtype):
+    """The module calls the op's direct binding (decode_cpu._op), not torch.ops, which bumps
+    the version counter of each Tensor(a!) argument: the binding must too, so that autograd
+    still refuses a graph whose saved buffers were overwritten."""
+    m = build(0, 4, 2)
+    x = torch.randn(1, 5, 6)
+    with torch.no_grad():
+        cache = m.make_cache(1, dtype=dtype)
+        m(x[:, :4], cache=cache)
+        written = [t for t in cache._tensors() if t.numel()]
+        before = [t._version for t in written]
+        assert _native(m, x[:, 4:], cache)
+        m(x[:, 4:], cache=cache)
+    assert all(t._version > v for t, v in zip(written, before, strict=True))
+
+
 def test_a_cache_filled_in_inference_mode_is_not_written_outside_it():
     def run(backend):
         torch.manual_seed(0)

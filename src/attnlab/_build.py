@@ -12,6 +12,8 @@ line saying what is missing and how to turn the extensions off (ATTNLAB_NO_EXTEN
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import platform
@@ -21,6 +23,7 @@ import sysconfig
 import time
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -133,10 +136,31 @@ def _missing() -> str | None:
     return None
 
 
+# base name -> the shared library loaded for it (python_module imports its Python face)
+_LOADED: dict[str, Path] = {}
+
+
+def python_module(base: str) -> ModuleType:
+    """The Python module of the loaded extension `base` (its PYBIND11_MODULE: functions
+    bound directly, without torch.ops' schema parsing), imported from the library `load`
+    loaded; `load` must have succeeded first."""
+    path = _LOADED[base]
+    name = path.stem
+    module = sys.modules.get(name)
+    if module is None:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        sys.modules[name] = module
+    return module
+
+
 def _build_and_load(base: str, source: Path, what: str, flags: list[str]) -> str | None:
     name = extension_name(base, source, flags, LDFLAGS)
     built = build_directory(name) / f"{name}.so"
     if built.exists() and _load_library(built):
+        _LOADED[base] = built
         return None
     print(f"attnlab: building {what} for this environment (once) ...", end="", file=sys.stderr)
     sys.stderr.flush()
@@ -157,6 +181,7 @@ def _build_and_load(base: str, source: Path, what: str, flags: list[str]) -> str
         print(" failed", file=sys.stderr)
         return first_error(error)
     print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    _LOADED[base] = built
     return None
 
 

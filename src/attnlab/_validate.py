@@ -17,6 +17,8 @@ import torch
 
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     """Return `value` if it is an int >= minimum (bool is refused: True is not a size)."""
+    if type(value) is int and value >= minimum:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
@@ -90,7 +92,7 @@ def check_like_parameter(name: str, x: torch.Tensor, param: torch.Tensor) -> tor
             f"{name} has dtype {x.dtype} but the module's parameters are {param.dtype}; "
             f"convert one of them (module.to({x.dtype}) or {name}.to({param.dtype}))"
         )
-    if x.device != param.device:
+    if not (x.is_cpu and param.is_cpu) and x.device != param.device:  # devices built once
         raise ValueError(
             f"{name} is on {x.device} but the module's parameters are on {param.device}"
         )

@@ -297,11 +297,11 @@ class MultiHeadAttention(nn.Module):
         """The native decode step's output where the call plan takes it (attnlab.plan), else
         None; None too, with nothing written, when x is not finite (then _check_finite
         raises forward's error)."""
-        layers = plan.native_decode(self, x, cache)
-        if layers is None:
+        weights = plan.native_decode(self, x, cache)
+        if weights is None:
             return None
         scale = 1.0 / math.sqrt(self.head_dim)
-        return decode_cpu.step(x, *layers, self.rope, self.num_heads, scale, cache, self.window)
+        return decode_cpu.step(x, weights, self.num_heads, scale, cache, self.window)
 
     def _attend(
         self,
@@ -385,7 +385,7 @@ class MultiHeadAttention(nn.Module):
                 f"the cache was made for num_kv_heads={made_for[0]}, head_dim={made_for[1]}; "
                 f"this module has num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
             )
-        if not cache.accepts(x.dtype) or cache.device != x.device:
+        if not cache.accepts(x.dtype) or not cache.is_on_device_of(x):
             raise TypeError(
                 f"the cache is {cache.dtype} on {cache.device} but x is {x.dtype} on {x.device}"
                 f" (a cache stores x's dtype, or a narrower one: bfloat16, float16, int8)"

@@ -188,6 +188,14 @@ class KVCache:
             return self.dtype.is_floating_point
         return self.compressed and dtype.is_floating_point and dtype.itemsize > self.dtype.itemsize
 
+    def is_on_device_of(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is on the buffers' device (CPU tensors compared without building
+        torch.device objects: a decoded token pays this per layer)."""
+        keys = self._keys_t
+        if keys.is_cpu:
+            return tensor.is_cpu
+        return keys.device == tensor.device
+
     @property
     def records_grad(self) -> bool:
         """True when the buffers hold tensors autograd records (written under autograd)."""

@@ -46,6 +46,7 @@ STEPS = (
     "_check_layers",
     "_start_position",
 )
+_EMPTY = torch.empty(0)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(
     getattr(_module, f"_global{name}")
@@ -74,13 +75,18 @@ def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
         or state["_backward_pre_hooks"]
     ):
         return False
-    weight, bias = state["_parameters"]["weight"], state["_parameters"]["bias"]
-    if weight is None or weight.dim() != 2 or not weight.is_contiguous():
+    parameters = state["_parameters"]
+    weight, bias = parameters["weight"], parameters["bias"]
+    if weight is None or not weight.is_contiguous():
         return False
     out, features = shape
-    if weight.shape[1] != features or (out is not None and weight.shape[0] != out):
+    if out is None:  # any width: the weight's own (torch.Size comparisons: one call each)
+        if weight.dim() != 2 or weight.shape[1] != features:
+            return False
+        out = weight.shape[0]
+    elif weight.shape != shape:
         return False
-    return bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous())
+    return bias is None or (bias.shape == (out,) and bias.is_contiguous())
 
 
 def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int | None, int]) -> bool:
@@ -109,45 +115,56 @@ def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int | None, int]) ->
     return layer(x)
 
 
-def native_module(module: MultiHeadAttention) -> tuple[nn.Linear, nn.Linear] | None:
-    """The fused projection and the output projection when the module as it is now suits
-    the native decode step, else None: backend "auto", causal, no dropout applied, a
-    head_dim that is a multiple of 4, its own steps and rotary embedding, and plain float32
-    CPU projections of exactly its shapes, with no hooks."""
-    if module.backend != "auto" or not module.causal or (module.training and module.dropout > 0):
+def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
+    """The tensors the native decode step reads (decode_cpu.Weights) when the module as it
+    is now suits it, else None: backend "auto", causal, no dropout applied, a head_dim that
+    is a multiple of 4, its own steps and rotary embedding, and plain float32 CPU
+    projections of exactly its shapes, with no hooks."""
+    state = module.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
+    d_in, d_out = state["d_in"], state["d_out"]
+    head_dim = d_out // state["num_heads"]  # the properties head_dim, kv_dim, fused
+    if state["backend"] != "auto" or not state["causal"] or state["context_dim"] != d_in:
         return None
-    if module.head_dim % 4 or not module.fused or not type(module)._steps_as_written():
+    if (state["training"] and state["dropout"] > 0) or head_dim % 4:
         return None
-    if any(step in module.__dict__ for step in STEPS):  # a method replaced on the instance
+    if not type(module)._steps_as_written() or not state.keys().isdisjoint(STEPS):
+        return None  # a subclass's or the instance's own step
+    layers = state["_modules"]
+    if not no_global_hooks():
         return None
-    layers = module._modules
-    qkv, out = layers.get("qkv_proj"), layers.get("out_proj")
-    d_qkv = module.d_out + 2 * module.kv_dim
-    if not plain_linear(qkv, (d_qkv, module.d_in)):
-        return None
-    if not plain_linear(out, (module.d_out, module.d_out)) or not no_global_hooks():
-        return None
-    if not (_float32_cpu(qkv) and _float32_cpu(out)):
+    qkv_weight, qkv_bias = _float32_linear(
+        layers.get("qkv_proj"), (d_out + 2 * state["num_kv_heads"] * head_dim, d_in)
+    )
+    out_weight, out_bias = _float32_linear(layers.get("out_proj"), (d_out, d_out))
+    if qkv_weight is None or out_weight is None:
         return None
     rope = layers.get("rope")
-    if rope is not None and not _own_rope(rope, module.head_dim):
+    cos, sin = (_EMPTY, _EMPTY) if rope is None else _own_rope_tables(rope, head_dim)
+    if cos is None:
         return None
-    return qkv, out
+    return decode_cpu.Weights(qkv_weight, qkv_bias, out_weight, out_bias, cos, sin)
 
 
-def _float32_cpu(layer: nn.Linear) -> bool:
-    weight, bias = layer._parameters["weight"], layer._parameters["bias"]
+def _float32_linear(layer: object, shape: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:
+    """A plain_linear's weight and bias (empty for none) when both are float32 on the CPU,
+    else (None, None)."""
+    if not plain_linear(layer, shape):
+        return None, None
+    parameters = layer.__dict__["_parameters"]
+    weight, bias = parameters["weight"], parameters["bias"]
     if weight.dtype != torch.float32 or not weight.is_cpu:
-        return False
-    return bias is None or (bias.dtype == torch.float32 and bias.is_cpu)
+        return None, None
+    if bias is None:
+        return weight, _EMPTY
+    return (weight, bias) if bias.dtype == torch.float32 and bias.is_cpu else (None, None)
 
 
 def native_decode(
     module: MultiHeadAttention, x: torch.Tensor, cache: KVCache
-) -> tuple[nn.Linear, nn.Linear] | None:
-    """The projections for the native decode step when module(x, cache=cache), already
-    checked by forward, can take it: one float32 token per sequence on the CPU, a cache the
-    kernel reads and may write (its dtype and window, room left), rope tables covering the
+) -> decode_cpu.Weights | None:
+    """The tensors for the native decode step when module(x, cache=cache), already checked
+    by forward, can take it: one float32 token per sequence on the CPU, a cache the kernel
+    reads and may write (its dtype and window, room left), rope tables covering the
     position, no autocast, tracing or autograd recording; else None."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traces take the Python path
         return None
@@ -157,19 +174,18 @@ def native_decode(
         return None
     if torch.is_grad_enabled() and module._records_grad(x):  # as forward judges it
         return None
-    layers = native_module(module)
-    if layers is None or not _cache_suits(module, cache):
+    weights = native_module(module)
+    if weights is None or not _cache_suits(module, cache):
         return None
-    rope = module._modules.get("rope")
-    if rope is not None and cache.position >= rope.cos.shape[0]:
-        return None
-    return layers if decode_cpu.available() else None
+    if weights.cos.numel() and cache.position >= weights.cos.shape[0]:
+        return None  # past the rotary tables: the Python path raises forward's error
+    return weights if decode_cpu.available() else None
 
 
 def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:
     """The cache's dtype, window, room and writability for the kernel."""
     keys = cache.keys_t
-    if not decode_cpu.reads(keys.dtype, keys.device) or cache.records_grad:
+    if not decode_cpu.reads_buffer(keys) or cache.records_grad:
         return False
     if cache.locked_by_inference_mode:
         return False  # forward refuses to write it: never written behind its back
@@ -178,12 +194,16 @@ def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:
     return cache.rolling or cache.position < cache.capacity
 
 
-def _own_rope(rope: object, head_dim: int) -> bool:
-    """attnlab's RotaryEmbedding, of head_dim, with float32 contiguous CPU tables."""
-    if type(rope) is not RotaryEmbedding or any(getattr(rope, name) for name in _HOOKS):
-        return False
-    cos, sin = rope.cos, rope.sin
-    return (
+def _own_rope_tables(rope: object, head_dim: int) -> tuple[torch.Tensor | None, ...]:
+    """(cos, sin) of attnlab's RotaryEmbedding, of head_dim, with float32 contiguous CPU
+    tables and no hooks; else (None, None)."""
+    if type(rope) is not RotaryEmbedding or any(rope.__dict__[name] for name in _HOOKS):
+        return None, None
+    buffers = rope.__dict__["_buffers"]
+    cos, sin = buffers.get("cos"), buffers.get("sin")
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        return None, None
+    suits = (
         cos.dim() == 2
         and cos.shape[1] == head_dim
         and cos.shape == sin.shape
@@ -192,3 +212,4 @@ def _own_rope(rope: object, head_dim: int) -> bool:
         and cos.is_contiguous()
         and sin.is_contiguous()
     )
+    return (cos, sin) if suits else (None, None)

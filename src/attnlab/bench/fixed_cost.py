@@ -101,14 +101,14 @@ def _linear(module: MultiHeadAttention, x: torch.Tensor):
 
 def _native_op(module: MultiHeadAttention, x: torch.Tensor):
     cache = _filled(module)
-    layers = plan.native_decode(module, x, cache)
-    if layers is None:
+    weights = plan.native_decode(module, x, cache)
+    if weights is None:
         return None
     scale = 1.0 / math.sqrt(module.head_dim)
 
     def op():
         cache.crop(HELD)
-        return decode_cpu.step(x, *layers, None, HEADS, scale, cache, None)
+        return decode_cpu.step(x, weights, HEADS, scale, cache, None)
 
     return op
 

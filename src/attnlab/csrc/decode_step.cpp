@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <torch/extension.h>  // the direct binding (PYBIND11_MODULE) below
 #include <torch/library.h>
 
 #include <algorithm>
@@ -884,19 +885,10 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "decode_step: scale (", scale,
               ") must be finite and > 0");
   if (!all_finite(x.data_ptr<float>(), batch * d_in)) return at::empty({0}, x.options());
-  // the outputs allocated before the cache is written
-  auto qkv = at::empty({batch, d_qkv}, x.options());
+  // the output allocated before the cache is written, and then, once the chunks are known,
+  // one scratch buffer for the projected token, the chunks' partial sums and the heads'
+  // outputs (one allocation: a tiny layer's step is a few microseconds, each costs ~0.2)
   auto out = at::empty({batch, 1, d_out}, x.options());  // (b, 1, d_out), as the module's
-  project(x.data_ptr<float>(), batch, d_in, w_qkv.data_ptr<float>(),
-          b_qkv.numel() ? b_qkv.data_ptr<float>() : nullptr, d_qkv, qkv.data_ptr<float>());
-  float* q = qkv.data_ptr<float>();
-  if (cos.numel()) {
-    const float* c = cos.data_ptr<float>() + position * hd;
-    const float* s = sin.data_ptr<float>() + position * hd;
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(q + b * d_qkv + h * hd, c, s, hd);
-    }
-  }
   // enough work items for every thread twice over, each of at least kMinChunk keys; with
   // the query heads' sums in registers, at most kMaxGroupedChunk, so that the scores of
   // all of them stay in L1 for the values' pass
@@ -908,27 +900,39 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
     chunk = std::min(chunk, kMaxGroupedChunk);
   }
   const int64_t chunks = (count + chunk - 1) / chunk;
-  auto partial = at::empty({batch, heads, chunks, hd + 2}, x.options());
-  auto attn = at::empty({batch, d_out}, x.options());
+  const int64_t qkv_floats = batch * d_qkv, partial_floats = batch * heads * chunks * (hd + 2);
+  auto scratch = at::empty({qkv_floats + partial_floats + batch * d_out}, x.options());
+  float* q = scratch.data_ptr<float>();         // (b, d_qkv): the projected token
+  float* partial = q + qkv_floats;              // (b, heads, chunks, hd + 2)
+  float* attn = partial + partial_floats;       // (b, d_out): the heads' outputs, merged
+  project(x.data_ptr<float>(), batch, d_in, w_qkv.data_ptr<float>(),
+          b_qkv.numel() ? b_qkv.data_ptr<float>() : nullptr, d_qkv, q);
+  if (cos.numel()) {
+    const float* c = cos.data_ptr<float>() + position * hd;
+    const float* s = sin.data_ptr<float>() + position * hd;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(q + b * d_qkv + h * hd, c, s, hd);
+    }
+  }
   Attend a{q, d_qkv, heads, kv_heads, hd, cap, block, first, count, chunk, chunks,
-           static_cast<float>(scale), partial.data_ptr<float>()};
+           static_cast<float>(scale), partial};
   switch (keys_t.scalar_type()) {
     case at::kFloat:
       append_and_attend<float>(a, batch, keys_t, values_t, key_scales, value_scales, slot,
-                               attn.data_ptr<float>());
+                               attn);
       break;
     case at::kBFloat16:
       append_and_attend<c10::BFloat16>(a, batch, keys_t, values_t, key_scales, value_scales, slot,
-                                       attn.data_ptr<float>());
+                                       attn);
       break;
     case at::kChar:
       append_and_attend<int8_t>(a, batch, keys_t, values_t, key_scales, value_scales, slot,
-                                attn.data_ptr<float>());
+                                attn);
       break;
     default:
       TORCH_CHECK(false, "decode_step: cache dtype ", keys_t.scalar_type(), " is not handled");
   }
-  project(attn.data_ptr<float>(), batch, d_out, w_out.data_ptr<float>(),
+  project(attn, batch, d_out, w_out.data_ptr<float>(),
           b_out.numel() ? b_out.data_ptr<float>() : nullptr, d_out, out.data_ptr<float>());
   return out;
 }
@@ -942,4 +946,48 @@ TORCH_LIBRARY(attnlab_decode, m) {
       "Tensor(d!) value_scales, int heads, int position, int slot, int first, int count, "
       "int block, float scale) -> Tensor");
   m.impl("decode_step", c10::DispatchKey::CPU, TORCH_FN(decode_step));
+}
+
+// The same op bound directly for Python (attnlab.decode_cpu calls this face in eager mode):
+// a call through torch.ops parses its 18 arguments against the schema (~2.5 us, as much as
+// a tiny layer's whole step); pybind11 converts them in ~0.4 us. The checks are the op's
+// own; the cache buffers' version counters are bumped as the dispatcher does for Tensor(a!)
+// arguments, so that autograd still sees them written; errors carry the message without
+// the C++ backtrace, as torch.ops gives them.
+namespace {
+
+void bump_version(const at::Tensor& written) {
+  if (written.defined() && !written.is_inference()) torch::autograd::impl::bump_version(written);
+}
+
+at::Tensor decode_step_direct(const at::Tensor& x, const at::Tensor& w_qkv,
+                              const at::Tensor& b_qkv, const at::Tensor& w_out,
+                              const at::Tensor& b_out, const at::Tensor& cos,
+                              const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
+                              at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
+                              int64_t position, int64_t slot, int64_t first, int64_t count,
+                              int64_t block, double scale) {
+  try {
+    auto out = decode_step(x, w_qkv, b_qkv, w_out, b_out, cos, sin, keys_t, values_t, key_scales,
+                           value_scales, heads, position, slot, first, count, block, scale);
+    if (out.numel()) {
+      for (const auto* written : {&keys_t, &values_t, &key_scales, &value_scales}) {
+        bump_version(*written);
+      }
+    }
+    return out;
+  } catch (const c10::Error& error) {
+    throw std::runtime_error(error.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_step", &decode_step_direct, "attnlab_decode::decode_step, bound directly",
+        py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_out"), py::arg("b_out"),
+        py::arg("cos"), py::arg("sin"), py::arg("keys_t"), py::arg("values_t"),
+        py::arg("key_scales"), py::arg("value_scales"), py::arg("heads"), py::arg("position"),
+        py::arg("slot"), py::arg("first"), py::arg("count"), py::arg("block"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
 }
