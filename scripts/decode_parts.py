@@ -27,14 +27,14 @@ def main(num_kv_heads: int, context: int) -> None:
     stack = decode._stack(768, 12, num_kv_heads, 4096, torch.float32, LAYERS)
     caches = decode._filled_caches(stack, 1, 4096, torch.float32)  # cropped by each step
     x = torch.randn(1, 1, 768)  # (b, 1, d)
-    params = {id(module): plan.native_module(module) for module in stack}
+    weights_of = {id(module): plan.native_module(module) for module in stack}
     weights = [(m.qkv_proj.weight.detach(), m.out_proj.weight.detach()) for m in stack]
     module_step = decode.stack_step(stack, caches, x, context)
 
     def native_call(module, hidden, cache):  # no module call, no checks, no plan
-        qkv, out = params[id(module)]  # the cache is at position context - 1 (stack_step)
+        tensors = weights_of[id(module)]  # the cache is at position context - 1 (stack_step)
         scale = module.head_dim**-0.5
-        return decode_cpu.step(hidden, qkv, out, module.rope, module.num_heads, scale, cache, None)
+        return decode_cpu.step(hidden, tensors, module.num_heads, scale, cache, None)
 
     native_step = decode.stack_step(stack, caches, x, context, layer=native_call)
 

@@ -11,6 +11,7 @@ and each step against its memory-bandwidth floor.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,13 @@ from rich.progress import Progress
 
 from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
+from attnlab.bench.decode_stack import (
+    default_specs,
+    print_profiles,
+    print_stack_decode,
+    profile_layer,
+    run_stack_decode,
+)
 from attnlab.bench.fixed_cost import print_fixed_cost, run_fixed_cost
 from attnlab.bench.memory import MemoryReport, memory_steps, run_memory
 from attnlab.bench.printing import (
@@ -34,6 +42,7 @@ if TYPE_CHECKING:  # attnlab.parallel (torch.distributed) loads only for --paral
     from attnlab.bench.parallel import ParallelReport
 
 QUICK_FIXED_COST = {"rounds": 1, "min_run_time": 0.01}
+QUICK_STACK = {"layers": 2, "steps": 3, "bandwidth_bytes": 8 * 2**20, "matmul_size": 128}
 QUICK_DECODE = {
     "contexts": (32, 128),
     "layers": 2,
@@ -134,13 +143,39 @@ def decode_command(
         task = progress.add_task("decoding", total=steps)
         report = run_decode(progress=_advance(progress, task), **options)
     print_decode(report, console)
+    stacked, profiles = _back_to_back(contexts, quick, console)
     with console.status("the fixed cost of a step per layer"):
         fixed = run_fixed_cost(**(QUICK_FIXED_COST if quick else {}))
     print_fixed_cost(fixed, console)
     if json_path is not None:
-        write_json({**report.to_dict(), "fixed_cost": fixed.to_dict()}, json_path)
+        figures = {**report.to_dict(), "fixed_cost": fixed.to_dict()}
+        figures["back_to_back"] = stacked.to_dict()
+        figures["profiles"] = [asdict(profile) for profile in profiles]
+        write_json(figures, json_path)
         console.print(f"figures written to {json_path}")
     return report
+
+
+def _back_to_back(contexts: Sequence[int], quick: bool, console: Console):
+    """The back-to-back rows (decode_stack: layers run as a model runs them, warm, against
+    both floor terms) and the per-layer profile of three of them."""
+    options = QUICK_STACK if quick else {}
+    specs = default_specs(12, tuple(sorted(contexts)))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("back to back", total=len(specs))
+        stacked = run_stack_decode(specs, progress=_advance(progress, task), **options)
+    print_stack_decode(stacked, console)
+    longest, layers = max(contexts), options.get("layers", 12)
+    extra = {"steps": 3, "bandwidth_bytes": options["bandwidth_bytes"]} if quick else {}
+    with console.status("one layer's step, part by part"):
+        profiles = [
+            profile_layer(kv, context, layers=layers, **extra)
+            for kv, context in ((12, min(contexts)), (12, longest), (4, longest), (1, longest))
+        ]
+    profiles = [profile for profile in profiles if profile is not None]
+    if profiles:
+        print_profiles(profiles, console)
+    return stacked, profiles
 
 
 def padded_command(

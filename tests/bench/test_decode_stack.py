@@ -1,0 +1,54 @@
+"""attnlab.bench.decode_stack: the back-to-back decode rows and their floors, checked against
+the harness's definitions written out here (bytes, flops, which term binds)."""
+
+import pytest
+
+from attnlab.bench.decode_stack import StackSpec, default_specs, run_stack_decode
+
+D, HEADS, KV, LAYERS, STEPS = 16, 2, 1, 2, 3
+
+
+@pytest.fixture(scope="module")
+def report():
+    specs = [StackSpec(KV, 1, "float32", 8), StackSpec(KV, 2, "int8", 8)]
+    return run_stack_decode(
+        specs, d_model=D, num_heads=HEADS, layers=LAYERS, steps=STEPS,
+        bandwidth_bytes=2**20, matmul_size=32,
+    )  # fmt: skip
+
+
+def test_bytes_and_flops_follow_the_harness_definitions(report):
+    hd = D // HEADS
+    params = D * (D + 2 * KV * hd) + D * D + D  # fused qkv, out_proj with its bias
+    for row in report.rows:
+        held = row.context + STEPS // 2  # tokens held at the median step
+        assert row.weight_bytes == LAYERS * params * 4
+        per_token = 2 * KV * hd * (4 if row.cache_dtype == "float32" else 1)
+        scales = 0 if row.cache_dtype == "float32" else 2 * KV * 4  # int8: a scale per head
+        assert row.cache_bytes == LAYERS * row.batch * held * (per_token + scales)
+        attention = 4 * HEADS * hd * held
+        assert row.flops == LAYERS * row.batch * (2 * params + attention)
+
+
+def test_the_floor_is_the_larger_term_and_names_it(report):
+    for row in report.rows:
+        memory = (row.weight_bytes + row.cache_bytes) / row.read_bytes_per_s
+        compute = row.flops / row.flops_per_s
+        assert row.floor_s == pytest.approx(max(memory, compute))
+        assert row.binds == ("memory" if memory >= compute else "compute")
+        assert row.over_floor == pytest.approx(row.step_s / row.floor_s)
+        assert len(row.steps_s) == STEPS and min(row.steps_s) <= row.step_s <= max(row.steps_s)
+    raw = report.to_dict()["rows"]
+    assert [r["binds"] for r in raw] == [row.binds for row in report.rows]
+
+
+def test_the_default_rows_are_the_outside_harness():
+    specs = default_specs(12)
+    batch_one = {(s.num_kv_heads, s.context) for s in specs if s.batch == 1}
+    assert batch_one == {(h, c) for h in (12, 4, 1) for c in (256, 1024, 4096)}
+    assert {s.cache_dtype for s in specs if (s.num_kv_heads, s.context) == (12, 4096)} == {
+        "float32",
+        "int8",
+    }
+    assert StackSpec(12, 8, "float32", 1024) in specs
+    assert StackSpec(12, 1, "int8", 4096) in specs
