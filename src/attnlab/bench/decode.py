@@ -294,10 +294,10 @@ def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheR
     bandwidth = read_bytes / times["read"]
     cache_dtype = caches[0].dtype
     per_token = first.make_cache(1, 1, dtype=cache_dtype).nbytes
-    layout, dtype_name = _layout(first), str(cache_dtype).removeprefix("torch.")
+    dtype_name = str(cache_dtype).removeprefix("torch.")
     floor = (_weight_bytes(first) + batch * context * per_token) / bandwidth
     return CacheRow(
-        layout,
+        layout(first),
         first.num_kv_heads,
         per_token,
         times["cached"] / len(modules),
@@ -314,7 +314,8 @@ def _floor(module: MultiHeadAttention, context: int, bandwidth: float) -> float:
     return (_weight_bytes(module) + _cache_bytes_read(module, context, dtype)) / bandwidth
 
 
-def _layout(module: MultiHeadAttention) -> str:
+def layout(module: MultiHeadAttention) -> str:
+    """ "multi-head", "grouped-query" or "multi-query": the module's key/value heads."""
     if module.num_kv_heads == module.num_heads:
         return "multi-head"
     return "multi-query" if module.num_kv_heads == 1 else "grouped-query"

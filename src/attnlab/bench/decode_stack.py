@@ -39,6 +39,7 @@ from rich.table import Table
 
 from attnlab import decode_cpu, plan
 from attnlab.attention import MultiHeadAttention
+from attnlab.bench import decode
 
 MODEL = {"d_model": 768, "num_heads": 12, "layers": 12}
 BANDWIDTH_BYTES = 256 * 2**20
@@ -215,7 +216,7 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
     del caches
     first = modules[0]
     return StackRow(
-        layout=_layout(first),
+        layout=decode.layout(first),
         num_kv_heads=spec.num_kv_heads,
         batch=spec.batch,
         cache_dtype=spec.cache_dtype,
@@ -238,12 +239,6 @@ def _held_bytes(cache, tokens: int) -> int:
 def _flops_per_sequence(module: MultiHeadAttention, tokens: int) -> float:
     parameters = sum(p.numel() for p in module.parameters())
     return 2 * parameters + 4 * module.num_heads * module.head_dim * tokens
-
-
-def _layout(module: MultiHeadAttention) -> str:
-    if module.num_kv_heads == module.num_heads:
-        return "multi-head"
-    return "multi-query" if module.num_kv_heads == 1 else "grouped-query"
 
 
 def read_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> float:
