@@ -34,7 +34,7 @@ from attnlab.kv_cache import KVCache
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
-_EMPTY = torch.empty(0)
+EMPTY = torch.empty(0)  # the kernel's "none": no bias, no rotary tables, no int8 scales
 _NAME = "attnlab_decode_step"
 
 
@@ -151,8 +151,3 @@ def _op():
     parsing, ~2 us less per call); torch.ops.attnlab_decode.decode_step is the registered
     face, which torch.compile and export trace (fake_ops)."""
     return _build.python_module(_NAME).decode_step
-
-
-def or_empty(tensor: torch.Tensor | None) -> torch.Tensor:
-    """tensor, or an empty tensor for None (the kernel's "no bias", "no rotary tables")."""
-    return _EMPTY if tensor is None else tensor

@@ -46,7 +46,6 @@ STEPS = (
     "_check_layers",
     "_start_position",
 )
-_EMPTY = torch.empty(0)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(
     getattr(_module, f"_global{name}")
@@ -139,7 +138,8 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     if qkv_weight is None or out_weight is None:
         return None
     rope = layers.get("rope")
-    cos, sin = (_EMPTY, _EMPTY) if rope is None else _own_rope_tables(rope, head_dim)
+    none = decode_cpu.EMPTY
+    cos, sin = (none, none) if rope is None else _own_rope_tables(rope, head_dim)
     if cos is None:
         return None
     return decode_cpu.Weights(qkv_weight, qkv_bias, out_weight, out_bias, cos, sin)
@@ -155,7 +155,7 @@ def _float32_linear(layer: object, shape: tuple[int, int]) -> tuple[torch.Tensor
     if weight.dtype != torch.float32 or not weight.is_cpu:
         return None, None
     if bias is None:
-        return weight, _EMPTY
+        return weight, decode_cpu.EMPTY
     return (weight, bias) if bias.dtype == torch.float32 and bias.is_cpu else (None, None)
 
 
