@@ -22,6 +22,7 @@ from rich.progress import Progress
 from attnlab.bench.compare import CompareReport, compare_steps, run_compare
 from attnlab.bench.decode import DecodeReport, run_decode
 from attnlab.bench.decode_stack import (
+    MODEL,
     default_specs,
     print_profiles,
     print_stack_decode,
@@ -42,7 +43,8 @@ if TYPE_CHECKING:  # attnlab.parallel (torch.distributed) loads only for --paral
     from attnlab.bench.parallel import ParallelReport
 
 QUICK_FIXED_COST = {"rounds": 1, "min_run_time": 0.01}
-QUICK_STACK = {"layers": 2, "steps": 3, "bandwidth_bytes": 8 * 2**20, "matmul_size": 128}
+QUICK_PROFILE = {"layers": 2, "steps": 3, "bandwidth_bytes": 8 * 2**20}
+QUICK_STACK = {**QUICK_PROFILE, "matmul_size": 128}
 QUICK_DECODE = {
     "contexts": (32, 128),
     "layers": 2,
@@ -158,19 +160,22 @@ def decode_command(
 
 def _back_to_back(contexts: Sequence[int], quick: bool, console: Console):
     """The back-to-back rows (decode_stack: layers run as a model runs them, warm, against
-    both floor terms) and the per-layer profile of three of them."""
-    options = QUICK_STACK if quick else {}
-    specs = default_specs(12, tuple(sorted(contexts)))
+    both floor terms) and the per-layer profile of four of them: multi-head at the shortest
+    and longest context, grouped-query and multi-query at the longest."""
+    heads = MODEL["num_heads"]
+    specs = default_specs(heads, tuple(sorted(contexts)))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("back to back", total=len(specs))
-        stacked = run_stack_decode(specs, progress=_advance(progress, task), **options)
+        stacked = run_stack_decode(
+            specs, progress=_advance(progress, task), **(QUICK_STACK if quick else {})
+        )
     print_stack_decode(stacked, console)
-    longest, layers = max(contexts), options.get("layers", 12)
-    extra = {"steps": 3, "bandwidth_bytes": options["bandwidth_bytes"]} if quick else {}
+    shortest, longest = min(contexts), max(contexts)
+    profiled = ((heads, shortest), (heads, longest), (heads // 3, longest), (1, longest))
     with console.status("one layer's step, part by part"):
         profiles = [
-            profile_layer(kv, context, layers=layers, **extra)
-            for kv, context in ((12, min(contexts)), (12, longest), (4, longest), (1, longest))
+            profile_layer(kv, context, **(QUICK_PROFILE if quick else {}))
+            for kv, context in profiled
         ]
     profiles = [profile for profile in profiles if profile is not None]
     if profiles:
