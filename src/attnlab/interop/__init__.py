@@ -5,7 +5,12 @@ nn.MultiheadAttention (`attnlab.interop.pytorch`), the book's MultiHeadAttention
 conversion gives the same outputs as its source.
 """
 
-from attnlab.interop.book import from_book, to_book
+from attnlab.interop.book import (
+    from_book,
+    restore_book_attention,
+    swap_book_attention,
+    to_book,
+)
 from attnlab.interop.onnx import export_onnx
 from attnlab.interop.pytorch import (
     DEFAULT_CONTEXT_LENGTH,
@@ -13,6 +18,7 @@ from attnlab.interop.pytorch import (
     from_torch_masks,
     to_torch,
 )
+from attnlab.interop.swap import make_caches, replace_modules
 
 __all__ = [
     "DEFAULT_CONTEXT_LENGTH",
@@ -20,6 +26,10 @@ __all__ = [
     "from_book",
     "from_torch",
     "from_torch_masks",
+    "make_caches",
+    "replace_modules",
+    "restore_book_attention",
+    "swap_book_attention",
     "to_book",
     "to_torch",
 ]

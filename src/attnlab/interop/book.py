@@ -9,6 +9,7 @@ from torch import nn
 
 from attnlab import book
 from attnlab.attention import MultiHeadAttention
+from attnlab.interop import swap
 
 
 def from_book(m: nn.Module) -> MultiHeadAttention:
@@ -99,3 +100,58 @@ def _per_query_head(rows: torch.Tensor, m: MultiHeadAttention, groups: int) -> t
         return rows
     heads = rows.reshape(m.num_kv_heads, m.head_dim, *rows.shape[1:])  # (hkv, hd, ...)
     return heads.repeat_interleave(groups, dim=0).reshape(m.d_out, *rows.shape[1:])
+
+
+_BOOK_LAYOUT = ("d_in", "d_out", "context_length", "num_heads", "dropout", "W_query", "W_key")
+_BOOK_LAYOUT += ("W_value", "out_proj")
+
+
+def has_book_layout(m: nn.Module) -> bool:
+    """Whether `m` is the book's MultiHeadAttention or a copy of it (a reader's own class
+    from the chapter): the attributes from_book reads, and not attnlab's own module."""
+    if isinstance(m, MultiHeadAttention):
+        return False
+    return all(hasattr(m, name) for name in _BOOK_LAYOUT)
+
+
+def swap_book_attention(model: nn.Module) -> int:
+    """Replace, in place, every book MultiHeadAttention in `model` (has_book_layout: the
+    chapter 4 GPTModel's `trf_blocks[i].att`) by attnlab's, with the same weights and
+    dropout (from_book). The book model's own state_dict still loads strictly into the
+    swapped model: each attnlab layer converts the book's names (W_query, W_key, W_value,
+    out_proj, mask) as it loads.
+
+    Args:
+        model: any module holding book MultiHeadAttention layers.
+
+    Returns:
+        How many layers were replaced.
+
+    Raises:
+        ValueError: the model holds none.
+    """
+    swapped = swap.replace_modules(model, has_book_layout, from_book)
+    if not swapped:
+        raise ValueError(f"{type(model).__name__} holds no book MultiHeadAttention to swap")
+    return swapped
+
+
+def restore_book_attention(model: nn.Module) -> int:
+    """The way back from swap_book_attention: every attnlab MultiHeadAttention in `model`
+    replaced, in place, by the book's class with the same weights (to_book), so that the
+    model's state_dict is the book model's again.
+
+    Args:
+        model: a model swapped by swap_book_attention.
+
+    Returns:
+        How many layers were replaced.
+
+    Raises:
+        ValueError: the model holds no attnlab MultiHeadAttention; or one has no book
+            equivalent (to_book names the setting).
+    """
+    restored = swap.replace_modules(model, lambda m: isinstance(m, MultiHeadAttention), to_book)
+    if not restored:
+        raise ValueError(f"{type(model).__name__} holds no attnlab MultiHeadAttention")
+    return restored
