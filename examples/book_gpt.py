@@ -106,7 +106,7 @@ class GPTModel(nn.Module):
         self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)
 
     def forward(self, in_idx):
-        batch_size, seq_len = in_idx.shape
+        seq_len = in_idx.shape[1]
         tok_embeds = self.tok_emb(in_idx)
         pos_embeds = self.pos_emb(torch.arange(seq_len, device=in_idx.device))
         x = self.drop_emb(tok_embeds + pos_embeds)
@@ -166,6 +166,8 @@ def generate_cached(model: GPTModel, idx: torch.Tensor, max_new_tokens: int, pad
         idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
         logits = forward_cached(model, idx[:, -1:], caches, pad)
     return idx
+
+
 # --8<-- [end:cached]
 
 
@@ -189,9 +191,11 @@ def main() -> None:
         difference = (model(idx) - original(idx)).abs().max().item()
     print(f"logits, swapped against the book's attention: max difference {difference:.1e}")
     want = generate_text_simple(original, idx, 20, cfg["context_length"])
-    print(f"greedy ids, cached against the book's generation: {torch.equal(generate_cached(model, idx, 20), want)}")
+    same = torch.equal(generate_cached(model, idx, 20), want)
+    print(f"greedy ids, cached against the book's generation: identical {same}")
     back = restored_copy(model, cfg).eval()
-    print(f"back to the book's class: {torch.equal(generate_text_simple(back, idx, 5, 64), want[:, :15])}")
+    same = torch.equal(generate_text_simple(back, idx, 5, cfg["context_length"]), want[:, :15])
+    print(f"back to the book's class: the same ids {same}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def compute_rope_params(head_dim, theta_base, context_length):
 
 
 def apply_rope(x, cos, sin):
-    batch_size, num_heads, seq_len, head_dim = x.shape
+    seq_len, head_dim = x.shape[2], x.shape[3]  # x (b, heads, t, hd)
     x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
     cos, sin = cos[:seq_len][None, None], sin[:seq_len][None, None]  # (1, 1, t, hd)
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -170,6 +170,8 @@ def generate_cached(model: Llama, idx: torch.Tensor, max_new_tokens: int, pad=No
         idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
         logits = forward_cached(model, idx[:, -1:], caches, pad)
     return idx
+
+
 # --8<-- [end:cached]
 
 
@@ -192,9 +194,11 @@ def main() -> None:
         difference = (model(idx) - original(idx)).abs().max().item()
     print(f"logits, swapped against the from-scratch attention: max difference {difference:.1e}")
     want = generate(original, idx, 20, cfg["context_length"])
-    print(f"greedy ids, cached against recomputed: {torch.equal(generate_cached(model, idx, 20), want)}")
+    same = torch.equal(generate_cached(model, idx, 20), want)
+    print(f"greedy ids, cached against recomputed: identical {same}")
     back = restored_copy(model, cfg).eval()
-    print(f"back to the from-scratch class: {torch.equal(generate(back, idx, 5, 64), want[:, :15])}")
+    same = torch.equal(generate(back, idx, 5, cfg["context_length"]), want[:, :15])
+    print(f"back to the from-scratch class: the same ids {same}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x):
-        B, T, C = x.size()
+        B, T, C = x.size()  # noqa: N806 (nanoGPT's names)
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -188,6 +188,8 @@ def generate_cached(model: GPT, idx: torch.Tensor, max_new_tokens: int, pad=None
         idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
         logits = forward_cached(model, idx[:, -1:], caches, pad)
     return idx
+
+
 # --8<-- [end:cached]
 
 
@@ -212,7 +214,8 @@ def main() -> None:
     same = torch.equal(generate_cached(model, idx, 20), original.generate(idx, 20))
     print(f"greedy ids, cached through attnlab against nanoGPT's generate: identical {same}")
     back = restored_copy(model).eval()
-    print(f"back to nanoGPT's class: {torch.equal(back.generate(idx, 5), original.generate(idx, 5))}")
+    same = torch.equal(back.generate(idx, 5), original.generate(idx, 5))
+    print(f"back to nanoGPT's class: the same ids {same}")
 
 
 if __name__ == "__main__":

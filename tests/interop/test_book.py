@@ -59,3 +59,26 @@ def test_to_book_refuses_what_the_book_cannot_hold(kwargs, named):
         interop.to_book(MultiHeadAttention(6, 8, 10, 0.0, 4, **kwargs))
     with pytest.raises(TypeError, match=r"m must be an attnlab\.MultiHeadAttention"):
         interop.to_book(nn.Linear(2, 2))
+
+
+def test_swap_book_attention_takes_a_readers_own_copy_of_the_class_and_refuses_none():
+    """has_book_layout: the chapter's class as a reader writes it (here: the book's own
+    class's attributes on another class), swapped; a model without one is a ValueError."""
+    from attnlab.interop import restore_book_attention, swap_book_attention
+
+    class MyMultiHeadAttention(book.MultiHeadAttention):  # a reader's copy, same layout
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MyMultiHeadAttention(8, 8, 16, 0.0, 2), nn.Linear(8, 8))
+    x = torch.randn(2, 5, 8)
+    want = model(x)
+    assert swap_book_attention(model) == 1
+    assert isinstance(model[0], MultiHeadAttention)
+    torch.testing.assert_close(model(x), want)
+    assert restore_book_attention(model) == 1
+    torch.testing.assert_close(model(x), want)
+    with pytest.raises(ValueError, match="holds no book MultiHeadAttention"):
+        swap_book_attention(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="holds no attnlab MultiHeadAttention"):
+        restore_book_attention(nn.Sequential(nn.Linear(2, 2)))

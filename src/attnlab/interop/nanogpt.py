@@ -113,8 +113,7 @@ def swap(model: nn.Module, block_size: int | None = None) -> int:
         block_size = getattr(getattr(model, "config", None), "block_size", None)
     if block_size is None:
         raise ValueError(
-            f"{type(model).__name__} has no config.block_size: pass block_size, the context "
-            f"length"
+            f"{type(model).__name__} has no config.block_size: pass block_size, the context length"
         )
     swapped = _swap.replace_modules(
         model, _is_nanogpt_attention, lambda layer: from_nanogpt_attention(layer, block_size)

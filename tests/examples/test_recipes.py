@@ -1,0 +1,213 @@
+"""The three recipes (examples/book_gpt.py, nanogpt.py, llama.py), run as the docs show them:
+each swapped model equals the original with the same weights in eval and in training
+(dropout included: the same masks from the same seed), its cached generation equals the
+original's recomputing generation (greedy ids), a left-padded batch decodes each row as it
+decodes alone, and the way back gives the original class with the same outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from attnlab import MultiHeadAttention
+from attnlab.interop import make_caches
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def load(name: str):
+    """examples/<name>.py as a module (registered, so that its dataclasses resolve)."""
+    spec = importlib.util.spec_from_file_location(
+        f"attnlab_example_{name}", EXAMPLES / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Family:
+    """How the tests drive one example: build the original with a dropout, swap, restore,
+    logits of the full sequence, and the original's recomputing greedy generation."""
+
+    example: Any
+    config: Any
+
+    def original(self, dropout: float = 0.0):
+        ex = self.example
+        if hasattr(ex, "GPTConfig"):
+            return ex.GPT(replace(self.config, dropout=dropout))
+        if hasattr(ex, "GPT_CONFIG_TINY"):
+            return ex.GPTModel({**self.config, "drop_rate": dropout})
+        return ex.Llama(self.config)
+
+    def swapped(self, original):
+        ex = self.example
+        return ex.swapped_copy(original) if hasattr(ex, "GPTConfig") else ex.swapped_copy(
+            original, self._config_of(original)
+        )  # fmt: skip
+
+    def restored(self, model):
+        ex = self.example
+        if hasattr(ex, "GPTConfig"):
+            return ex.restored_copy(model)
+        return ex.restored_copy(model, self._config_of(model))
+
+    def _config_of(self, model):
+        if hasattr(self.example, "GPT_CONFIG_TINY"):
+            dropout = model.drop_emb.p
+            return {**self.config, "drop_rate": dropout}
+        return self.config
+
+    def logits(self, model, idx):
+        if hasattr(self.example, "GPTConfig"):
+            return model(idx, torch.roll(idx, -1, dims=1))[0]  # every position's logits
+        return model(idx)
+
+    def recompute(self, model, idx, new):
+        ex = self.example
+        if hasattr(ex, "GPTConfig"):
+            return model.generate(idx, new)
+        if hasattr(ex, "GPT_CONFIG_TINY"):
+            return ex.generate_text_simple(model, idx, new, self.config["context_length"])
+        return ex.generate(model, idx, new, self.config["context_length"])
+
+
+def _family(name: str) -> Family:
+    ex = load(name)
+    config = {"book_gpt": "GPT_CONFIG_TINY", "llama": "LLAMA_CONFIG_TINY"}.get(name)
+    return Family(ex, ex.GPTConfig() if config is None else getattr(ex, config))
+
+
+NAMES = ["book_gpt", "nanogpt", "llama"]
+DROPOUTS = {"book_gpt": [0.0, 0.1], "nanogpt": [0.0, 0.1], "llama": [0.0]}  # Llama: none
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def family(request) -> Family:
+    return _family(request.param)
+
+
+def _pair(family: Family, dropout: float = 0.0, seed: int = 0):
+    torch.manual_seed(seed)
+    original = family.original(dropout)
+    return original, family.swapped(original)
+
+
+def _tokens(family, batch=2, tokens=12, seed=1):
+    vocab = 96  # every tiny configuration's
+    return torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_swap_puts_attnlab_in_every_layer(family):
+    original, model = _pair(family)
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    assert len(layers) == 2  # the tiny configurations' two layers
+    assert not any(isinstance(m, MultiHeadAttention) for m in original.modules())
+
+
+def test_eval_logits_equal_the_original(family):
+    original, model = _pair(family)
+    idx = _tokens(family)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            family.logits(model.eval(), idx), family.logits(original.eval(), idx),
+            rtol=1e-5, atol=1e-5,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dropout"), [(name, p) for name in NAMES for p in DROPOUTS[name]])
+def test_training_steps_equal_the_original_dropout_masks_included(name, dropout):
+    """Five AdamW steps from the same seed: the same losses (the same dropout masks: both
+    draw them in the same order) and the same weights after."""
+    family = _family(name)
+    original, model = _pair(family, dropout)
+    original.train(), model.train()
+    idx = _tokens(family, tokens=16)
+    targets = torch.roll(idx, -1, dims=1)
+    losses = []
+    for net in (original, model):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        torch.manual_seed(7)
+        run = []
+        for _ in range(5):
+            logits = family.logits(net, idx)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    if dropout:  # the masks were drawn: a second seed gives other losses
+        assert losses[0][0] != pytest.approx(_first_loss(family, dropout, seed=8), rel=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            family.logits(model.eval(), idx), family.logits(original.eval(), idx),
+            rtol=1e-4, atol=1e-4,
+        )  # fmt: skip
+
+
+def _first_loss(family, dropout, seed):
+    original, _ = _pair(family, dropout)
+    original.train()
+    idx = _tokens(family, tokens=16)
+    torch.manual_seed(seed)
+    logits = family.logits(original, idx)
+    return F.cross_entropy(logits.flatten(0, 1), torch.roll(idx, -1, dims=1).flatten()).item()
+
+
+def test_cached_generation_equals_the_originals_recomputing_one(family):
+    original, model = _pair(family)
+    idx = _tokens(family, batch=3, tokens=7)
+    want = family.recompute(original.eval(), idx, 25)
+    got = family.example.generate_cached(model.eval(), idx, 25)
+    assert torch.equal(got, want)
+
+
+def test_a_left_padded_batch_decodes_each_row_as_it_decodes_alone(family):
+    _, model = _pair(family)
+    model.eval()
+    lengths = [5, 9, 7]
+    prompts = [_tokens(family, batch=1, tokens=n, seed=n)[0] for n in lengths]
+    longest = max(lengths)
+    pad = torch.tensor([longest - n for n in lengths])
+    batch = torch.stack([F.pad(p, (longest - len(p), 0), value=0) for p in prompts])
+    got = family.example.generate_cached(model, batch, 12, pad)
+    with torch.no_grad():
+        caches = make_caches(model, len(prompts), longest + 1)
+        logits = family.example.forward_cached(model, batch, caches, pad)  # (b, t, vocab)
+    for row, prompt in enumerate(prompts):
+        alone = family.example.generate_cached(model, prompt[None], 12)
+        assert torch.equal(got[row, pad[row] :], alone[0]), row
+        with torch.no_grad():
+            own = family.example.forward_cached(model, prompt[None], make_caches(model, 1))
+        torch.testing.assert_close(logits[row, pad[row] :], own[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_way_back_is_the_original_class_with_the_same_outputs(family):
+    original, model = _pair(family)
+    back = family.restored(model)
+    assert type(back) is type(original)
+    assert back.state_dict().keys() == original.state_dict().keys()
+    idx = _tokens(family)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            family.logits(back.eval(), idx), family.logits(original.eval(), idx),
+            rtol=1e-5, atol=1e-5,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_example_runs_as_a_script(name, capsys):
+    load(name).main()
+    printed = capsys.readouterr().out
+    assert "False" not in printed and printed.count("True") == 2, printed

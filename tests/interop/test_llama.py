@@ -1,0 +1,67 @@
+"""attnlab.interop.llama on the from-scratch Llama (examples/llama.py): the layer's own call
+(mask and rotary tables) is honoured, never ignored; the state maps; the refusals."""
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab.interop import llama
+from tests.examples.test_recipes import load
+
+ex = load("llama")
+CFG = ex.LLAMA_CONFIG_TINY
+
+
+def _pair():
+    torch.manual_seed(0)
+    original = ex.Llama(CFG).eval()
+    return original, ex.swapped_copy(original, CFG).eval()
+
+
+def test_a_mask_other_than_the_causal_one_is_passed_on():
+    """A block called with a mask that also hides key 2 from every query: the swapped layer
+    hides it too (the from-scratch mask is True where hidden; attnlab's where allowed)."""
+    original, model = _pair()
+    x = torch.randn(2, 6, CFG["emb_dim"])
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)
+    mask[3:, 2] = True
+    want = original.trf_blocks[0].att(x, mask, original.cos, original.sin)
+    got = model.trf_blocks[0].att(x, mask, model.cos, model.sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = model.trf_blocks[0].att(x, mask.triu(1), model.cos, model.sin)
+    assert not torch.allclose(plain, got)
+
+
+def test_rotary_tables_of_another_base_or_a_scaling_are_refused():
+    _, model = _pair()
+    cos, sin = ex.compute_rope_params(CFG["emb_dim"] // CFG["n_heads"], 10_000.0, 64)
+    x = torch.randn(1, 4, CFG["emb_dim"])
+    mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1)
+    with pytest.raises(ValueError, match="rotary cos table differs from attnlab's rope"):
+        model.trf_blocks[0].att(x, mask, cos, sin)
+    with pytest.raises(ValueError, match="another base or a frequency scaling"):
+        llama.swap(ex.Llama(CFG), rope_base=10_000.0)
+    with pytest.raises(ValueError, match="cos and sin come together"):
+        model.trf_blocks[0].att(x, mask, model.cos, None)
+
+
+def test_the_state_maps_are_inverse():
+    original, _ = _pair()
+    state = original.state_dict()
+    mapped = llama.from_llama_state(state)
+    assert "trf_blocks.0.att.attention.qkv_proj.weight" in mapped
+    assert not any("W_query" in key for key in mapped)
+    back = llama.to_llama_state(mapped)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[key], state[key]) for key in state)
+
+
+def test_refusals_name_what_is_missing():
+    with pytest.raises(ValueError, match="holds no from-scratch GroupedQueryAttention"):
+        llama.swap(nn.Sequential(nn.Linear(2, 2)), rope_base=10_000.0, context_length=8)
+    with pytest.raises(ValueError, match="pass context_length"):
+        llama.swap(nn.Sequential(ex.GroupedQueryAttention(8, 8, 2, 1)), rope_base=10_000.0)
+    layer = ex.GroupedQueryAttention(8, 8, 2, 1)
+    del layer.num_kv_groups
+    with pytest.raises(TypeError, match="'num_kv_groups'"):
+        llama.from_llama_attention(layer, 8, 10_000.0)
