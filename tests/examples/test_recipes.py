@@ -7,6 +7,7 @@ decodes alone, and the way back gives the original class with the same outputs."
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -211,3 +212,28 @@ def test_the_example_runs_as_a_script(name, capsys):
     load(name).main()
     printed = capsys.readouterr().out
     assert "False" not in printed and printed.count("True") == 2, printed
+
+
+def test_every_snippet_the_docs_include_is_a_marked_section_of_an_example():
+    """The recipes page's code is the examples' own (pymdownx.snippets sections), so it
+    cannot drift: each include names a file and a section that exist, and each section of
+    each example is shown."""
+    page = (EXAMPLES.parent / "docs" / "guide" / "recipes.md").read_text()
+    included = re.findall(r'--8<-- "examples/(\w+)\.py:(\w+)"', page)
+    assert {name for name, _ in included} == set(NAMES)
+    for name in NAMES:
+        source = (EXAMPLES / f"{name}.py").read_text()
+        sections = set(re.findall(r"# --8<-- \[start:(\w+)\]", source))
+        assert sections == set(re.findall(r"# --8<-- \[end:(\w+)\]", source))
+        assert {section for n, section in included if n == name} == sections, name
+
+
+def test_the_speedup_script_runs_and_checks_the_ids(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "attnlab_recipe_speedups", EXAMPLES.parent / "scripts" / "recipe_speedups.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([4, 8], 2)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 3 * 2  # the header, then 3 models x 2 prompts

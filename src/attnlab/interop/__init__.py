@@ -1,7 +1,9 @@
 """Conversions between attnlab.MultiHeadAttention and its neighbours: PyTorch's
 nn.MultiheadAttention (`attnlab.interop.pytorch`), the book's MultiHeadAttention
 (`attnlab.interop.book`), transformers (`attnlab.interop.hf`, extra `hf`) and ONNX
-(`export_onnx`, extra `onnx`, loaded on use). Weights are copied, never shared, and each
+(`export_onnx`, extra `onnx`, loaded on use); and whole models with attnlab's attention
+swapped in (`swap_book_attention`, `attnlab.interop.nanogpt`, `attnlab.interop.llama`,
+`make_caches` for their cached forward: docs/guide/recipes.md). Weights are copied, never shared, and each
 conversion gives the same outputs as its source.
 """
 
