@@ -65,3 +65,37 @@ def test_refusals_name_what_is_missing():
     del layer.num_kv_groups
     with pytest.raises(TypeError, match="'num_kv_groups'"):
         llama.from_llama_attention(layer, 8, 10_000.0)
+
+
+class BiasedAttention(ex.GroupedQueryAttention):
+    """Qwen2's layout: biases on the query, key and value projections."""
+
+    def __init__(self, d_in, d_out, num_heads, num_kv_groups):
+        super().__init__(d_in, d_out, num_heads, num_kv_groups)
+        self.W_query = nn.Linear(d_in, d_out, bias=True)
+        self.W_key = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=True)
+        self.W_value = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=True)
+
+
+class QKNormAttention(ex.GroupedQueryAttention):
+    """Qwen3's layout: an RMSNorm on queries and keys, which attnlab does not compute."""
+
+    def __init__(self, d_in, d_out, num_heads, num_kv_groups):
+        super().__init__(d_in, d_out, num_heads, num_kv_groups)
+        self.q_norm = nn.RMSNorm(self.head_dim)
+        self.k_norm = nn.RMSNorm(self.head_dim)
+
+
+def test_qwen2_style_biases_are_swapped_and_qk_norms_are_refused():
+    torch.manual_seed(0)
+    cos, sin = ex.compute_rope_params(8, CFG["rope_base"], 16)
+    layer = BiasedAttention(32, 32, 4, 2)
+    nn.init.normal_(layer.W_key.bias)
+    x = torch.randn(2, 6, 32)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)
+    swapped = llama.from_llama_attention(layer, 16, CFG["rope_base"])
+    torch.testing.assert_close(swapped(x, mask, cos, sin), layer(x, mask, cos, sin))
+    back = llama.to_llama_state(llama.from_llama_state(layer.state_dict()))
+    assert all(torch.equal(back[k], v) for k, v in layer.state_dict().items())
+    with pytest.raises(ValueError, match="holds k_norm, q_norm besides its projections"):
+        llama.from_llama_attention(QKNormAttention(32, 32, 4, 2), 16, CFG["rope_base"])

@@ -61,3 +61,10 @@ def test_refusals_name_what_is_missing():
         layer = ex.CausalSelfAttention(ex.GPTConfig())
         del layer.resid_dropout
         nanogpt.from_nanogpt_attention(layer, 64)
+
+
+def test_a_variant_with_layers_of_its_own_is_refused_not_dropped():
+    layer = ex.CausalSelfAttention(ex.GPTConfig())
+    layer.q_norm = nn.LayerNorm(8)  # a variant's own layer, which attnlab would not compute
+    with pytest.raises(ValueError, match="holds q_norm besides c_attn and c_proj"):
+        nanogpt.from_nanogpt_attention(layer, 64)

@@ -3,8 +3,8 @@ nn.MultiheadAttention (`attnlab.interop.pytorch`), the book's MultiHeadAttention
 (`attnlab.interop.book`), transformers (`attnlab.interop.hf`, extra `hf`) and ONNX
 (`export_onnx`, extra `onnx`, loaded on use); and whole models with attnlab's attention
 swapped in (`swap_book_attention`, `attnlab.interop.nanogpt`, `attnlab.interop.llama`,
-`make_caches` for their cached forward: docs/guide/recipes.md). Weights are copied, never shared, and each
-conversion gives the same outputs as its source.
+`make_caches` for their cached forward: docs/guide/recipes.md). Weights are copied, never
+shared, and each conversion gives the same outputs as its source.
 """
 
 from attnlab.interop.book import (

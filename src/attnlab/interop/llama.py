@@ -28,6 +28,7 @@ from attnlab.attention import MultiHeadAttention
 from attnlab.interop import swap as _swap
 from attnlab.kv_cache import KVCache
 
+_PROJECTIONS = ("W_query", "W_key", "W_value", "out_proj")
 _ORIGINAL = re.compile(r"^(?P<prefix>.*)W_query\.weight$")
 _FUSED = re.compile(r"^(?P<prefix>.*)attention\.qkv_proj\.weight$")
 # rotary tables computed in float32 (as from-scratch code does) differ from attnlab's
@@ -139,14 +140,28 @@ def from_llama_attention(
     for name in ("W_query", "W_key", "W_value", "out_proj", "num_heads", "num_kv_groups"):
         if not hasattr(layer, name):
             raise TypeError(f"layer has no {name!r}: it is not a from-scratch Llama attention")
+    extra = sorted(
+        name
+        for name, child in layer.named_children()
+        if name not in _PROJECTIONS and any(True for _ in child.parameters())
+    )
+    if extra:  # e.g. Qwen3's q_norm / k_norm: attnlab's layer would drop them
+        raise ValueError(
+            f"the layer holds {', '.join(extra)} besides its projections, which attnlab's "
+            f"MultiHeadAttention does not compute: it is not swapped"
+        )
+    if layer.out_proj.bias is not None:
+        raise ValueError("out_proj has a bias; the from-scratch Llama layout has none")
     weight = layer.W_query.weight
     d_out, d_in = weight.shape
+    qkv_bias = layer.W_query.bias is not None  # Qwen2-style biases on the three
     attention = MultiHeadAttention(
         d_in,
         d_out,
         context_length,
         0.0,
         layer.num_heads,
+        qkv_bias=qkv_bias,
         num_kv_heads=layer.num_kv_groups,
         rope=True,
         rope_base=rope_base,
@@ -201,13 +216,17 @@ def _is_llama_attention(m: nn.Module) -> bool:
 
 def from_llama_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The from-scratch model's state_dict with each attention's W_query, W_key, W_value
-    fused (concatenated rows) into `attention.qkv_proj.weight` and `out_proj` renamed
-    `attention.out_proj`; every other key as it is."""
+    fused (concatenated rows, biases too where they have them) into
+    `attention.qkv_proj` and `out_proj` renamed `attention.out_proj`; every other key as it
+    is."""
     result = dict(state)
     for key in [k for k in state if _ORIGINAL.match(k)]:
         prefix = _ORIGINAL.match(key)["prefix"]
-        parts = [result.pop(f"{prefix}{name}.weight") for name in ("W_query", "W_key", "W_value")]
-        result[f"{prefix}attention.qkv_proj.weight"] = torch.cat(parts)  # (d_out + 2 kv, d_in)
+        for what in ("weight", "bias"):
+            names = [f"{prefix}{name}.{what}" for name in _PROJECTIONS[:3]]
+            if all(name in result for name in names):  # biases: Qwen2-style, or none
+                parts = [result.pop(name) for name in names]
+                result[f"{prefix}attention.qkv_proj.{what}"] = torch.cat(parts)  # rows q, k, v
         result[f"{prefix}attention.out_proj.weight"] = result.pop(f"{prefix}out_proj.weight")
     return result
 
@@ -218,15 +237,17 @@ def to_llama_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key in [k for k in state if _FUSED.match(k)]:
         prefix = _FUSED.match(key)["prefix"]
         out = result.pop(f"{prefix}attention.out_proj.weight")
-        fused = result.pop(key)
-        kv = (fused.shape[0] - out.shape[0]) // 2
-        query, key_rows, value = fused.split([out.shape[0], kv, kv])
-        result.update(
-            {
-                f"{prefix}W_query.weight": query,
-                f"{prefix}W_key.weight": key_rows,
-                f"{prefix}W_value.weight": value,
-                f"{prefix}out_proj.weight": out,
-            }
-        )
+        result[f"{prefix}out_proj.weight"] = out
+        for what in ("weight", "bias"):
+            fused = result.pop(f"{prefix}attention.qkv_proj.{what}", None)
+            if fused is None:
+                continue
+            kv = (fused.shape[0] - out.shape[0]) // 2
+            parts = fused.split([out.shape[0], kv, kv])  # rows q, k, v
+            result.update(
+                {
+                    f"{prefix}{name}.{what}": part
+                    for name, part in zip(_PROJECTIONS[:3], parts, strict=True)
+                }
+            )
     return result

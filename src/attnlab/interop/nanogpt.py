@@ -76,6 +76,16 @@ def from_nanogpt_attention(layer: nn.Module, block_size: int) -> CausalSelfAtten
     for name in ("c_attn", "c_proj", "n_head", "n_embd", "dropout", "resid_dropout"):
         if not hasattr(layer, name):
             raise TypeError(f"layer has no {name!r}: it is not nanoGPT's CausalSelfAttention")
+    extra = sorted(
+        name
+        for name, child in layer.named_children()
+        if name not in ("c_attn", "c_proj") and any(True for _ in child.parameters())
+    )
+    if extra:  # a variant's own layers (rotary, norms): attnlab's would drop them
+        raise ValueError(
+            f"the layer holds {', '.join(extra)} besides c_attn and c_proj, which attnlab's "
+            f"MultiHeadAttention does not compute: it is not swapped"
+        )
     c_attn, c_proj = layer.c_attn, layer.c_proj
     attention = MultiHeadAttention(
         layer.n_embd,
