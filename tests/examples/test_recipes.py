@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from attnlab import MultiHeadAttention
@@ -237,3 +239,49 @@ def test_the_speedup_script_runs_and_checks_the_ids(capsys):
     script.main([4, 8], 2)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 3 * 2  # the header, then 3 models x 2 prompts
+
+
+@st.composite
+def recipe_cases(draw):
+    """A family at drawn sizes: heads (and key/value groups for the Llama), width per head,
+    a batch of prompts of drawn lengths (left-padded to the longest), new tokens."""
+    name = draw(st.sampled_from(NAMES))
+    heads = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    lengths = draw(st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    return name, heads, head_dim, lengths, draw(st.integers(1, 4)), draw(st.integers(0, 99))
+
+
+def _sized(name: str, heads: int, head_dim: int, seed: int) -> Family:
+    family = _family(name)
+    width = heads * head_dim
+    if name == "nanogpt":
+        family.config = replace(family.config, n_head=heads, n_embd=width)
+    elif name == "book_gpt":
+        family.config = {**family.config, "n_heads": heads, "emb_dim": width}
+    else:
+        groups = heads // 2 if heads > 1 and seed % 2 else heads  # grouped or one per head
+        family.config = {**family.config, "n_heads": heads, "emb_dim": width}
+        family.config.update(n_kv_groups=groups, hidden_dim=2 * width)
+    return family
+
+
+@settings(max_examples=20, deadline=None)
+@given(recipe_cases())
+def test_drawn_sizes_decode_padded_rows_as_alone_and_equal_recomputing(case):
+    name, heads, head_dim, lengths, new, seed = case
+    family = _sized(name, heads, head_dim, seed)
+    original, model = _pair(family, seed=seed)
+    original.eval(), model.eval()
+    prompts = [_tokens(family, batch=1, tokens=n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+    longest = max(lengths)
+    pad = torch.tensor([longest - n for n in lengths])
+    batch = torch.stack([F.pad(p, (longest - len(p), 0), value=0) for p in prompts])
+    with torch.no_grad():
+        logits = family.example.forward_cached(model, batch, make_caches(model, len(lengths)), pad)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            own = family.example.forward_cached(model, prompt[None], make_caches(model, 1))
+        torch.testing.assert_close(logits[row, pad[row] :], own[0], rtol=1e-4, atol=1e-5)
+        want = family.recompute(original, prompt[None], new)
+        assert torch.equal(family.example.generate_cached(model, prompt[None], new), want)
