@@ -67,9 +67,11 @@ def test_the_condition_that_turns_the_mask_off_is_named():
     assert "`if self.is_decoder:`" in causes[0] and "is_decoder=True" in causes[0], causes
 
 
-def test_rotary_positions_make_the_reference_undecided_not_failed():
+def test_rotary_positions_are_in_the_reference():
+    """Rotary positions computed in the forward (no state) are found by the reference's
+    rotary layouts (check.rotary), no longer left undecided."""
     result = _outsider_report("LlamaAttention")["reference"]
-    assert result.status == "skipped" and "_rope" in result.observed, result.observed
+    assert result.status == "passed" and "rotary (halves" in result.observed, result.observed
 
 
 def test_a_leak_from_a_sequence_statistic_names_the_reduction():

@@ -30,9 +30,11 @@ import torch
 from torch import nn
 
 from attnlab.check import causes as source
+from attnlab.check import rotary
 from attnlab.check.probe import Probe
 from attnlab.check.properties import tolerances
 from attnlab.check.report import PropertyResult, failed, passed, skipped
+from attnlab.check.rotary import Rotary
 from attnlab.heads import repeat_kv
 
 NAME, TITLE = "reference", "equals the reference computation with the same weights"
@@ -59,7 +61,16 @@ BUGS = {
     "inverted_mask": "the mask is inverted: the past is masked and the future attended "
     "(tril instead of triu, or a boolean SDPA mask of the wrong polarity)",
     "scale_after_softmax": "the scale is applied after the softmax instead of to the scores",
+    "keys_not_rotated": "the keys are not rotated: rotary positions are applied to the "
+    "queries only (both must be rotated for the scores to depend on relative positions)",
+    "queries_not_rotated": "the queries are not rotated: rotary positions are applied to the "
+    "keys only",
 }
+_ROTARY_BUGS = ("keys_not_rotated", "queries_not_rotated")
+# masks that hide a whole row, tried with both fills (-inf, and a finite minimum: "_finite")
+BUGS["inverted_mask_strict"] = BUGS["inverted_mask"]  # the diagonal hidden too
+BUGS["mask_diagonal_finite"] = BUGS["mask_diagonal"]
+BUGS["inverted_mask_strict_finite"] = BUGS["inverted_mask"]
 # the source's suspect kinds that point at the line of each bug
 _POINTERS = {
     "softmax_queries": ("softmax_dim",),
@@ -69,7 +80,15 @@ _POINTERS = {
     "mask_offset": ("mask_offset",),
     "inverted_mask": ("sdpa_inverted_mask",),
 }
-_MASK_BUGS = ("no_mask", "mask_diagonal", "mask_offset", "inverted_mask")
+_MASK_BUGS = (
+    "no_mask",
+    "mask_diagonal",
+    "mask_offset",
+    "inverted_mask",
+    "inverted_mask_strict",
+    "mask_diagonal_finite",
+    "inverted_mask_strict_finite",
+)
 _MAX_LAYOUTS = 512
 
 
@@ -112,6 +131,7 @@ class Layout:
     window: int | None = None
     misnamed: list[str] = field(default_factory=list)  # why the names disagree
     unused: int = 0  # projection layers the layout leaves out
+    rotary: Rotary | None = None  # rotary positions on queries and keys (check.rotary)
 
 
 def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> PropertyResult:
@@ -132,12 +152,17 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         return skipped(NAME, TITLE, why)
     suspects = source.find_suspects(probe.module)
     positions = source.explain(suspects, ("uses_positions",))
-    if positions and certain:  # rotary or other positions computed without state
-        certain, why = False, f"{why}; positions applied in the forward: {positions[0]}"
     x = probe.inputs(2, tokens, seed)
     with torch.no_grad():
         out = probe(x).double()
     x, tol = x.double(), tolerances(probe.dtype)
+    named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
+    rotated, owned = _rotary_layouts(probe.module, named, why, positions)
+    if rotated:  # rotary tables or positions: the rotary layouts first
+        certain = _accounted(probe.module, layouts, owned)
+        layouts, named = rotated + layouts, rotated + named
+    elif positions and certain:  # other positions computed without state
+        certain, why = False, f"{why}; positions applied in the forward: {positions[0]}"
     match = _first_match(out, x, layouts, causal, tol)
     if match is not None and match.consistent:
         return passed(NAME, TITLE, f"equal to the reference ({_describe(match)})")
@@ -146,11 +171,11 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
             f"equal to the reference only with {match.what}; it equals the reference with the bug"
         )
         return failed(NAME, TITLE, observed, match.misnamed)
-    named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
     tried = named[:64] if certain else named[:16]  # state outside: few fits are possible
-    fits = _fitting_bugs(out, x, tried, causal, tol, suspects)
-    gap = _gap(out, reference(x, named[0], causal))
-    observed = f"differs from the reference ({named[0].what}) by up to {gap:.3g}"
+    fits, fitted = _fitting_bugs(out, x, tried, causal, tol, suspects)
+    closest = fitted or named[0]
+    gap = _gap(out, reference(x, closest, causal))
+    observed = f"differs from the reference ({_describe(closest)}) by up to {gap:.3g}"
     if fits:
         return failed(NAME, TITLE, f"{observed}; it equals the reference with the bug", fits)
     if not certain:
@@ -168,11 +193,45 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     return failed(NAME, TITLE, observed, causes)
 
 
+_ROTARY_LAYOUTS = 4  # the best-named layouts tried with each rotary candidate
+
+
+def _rotary_layouts(module, named, why, positions) -> tuple[list[Layout], list[str]]:
+    """Each of the first layouts with each rotary candidate the module suggests (rotary
+    tables among its state, or positions computed in its forward), and the state names the
+    candidates account for; nothing when it suggests none."""
+    rotated, owned = [], []
+    for layout in named[:_ROTARY_LAYOUTS]:
+        group = layout.groups[0]
+        specs, found = rotary.candidates(module, group.q.width // group.num_heads)
+        owned += found
+        rotated += [replace(layout, rotary=spec) for spec in specs]
+    if not (owned or positions):
+        return [], []
+    return rotated, owned
+
+
+def _accounted(module: nn.Module, layouts: list[Layout], owned: list[str]) -> bool:
+    """Whether every piece of state outside the projections is a rotary table the rotary
+    candidates read (then a rotary layout that fits is certain)."""
+    layers = {name for layout in layouts for name in _layer_names(layout)}
+    return all(
+        name in owned for name in _unknown_state(module, [Layer(n, None, None) for n in layers])
+    )
+
+
+def _layer_names(layout: Layout) -> list[str]:
+    names = [layer.name for g in layout.groups for layer in (g.q, g.k, g.v)]
+    names += [] if layout.out is None else [layout.out.name]
+    return [part.split("[")[0] for name in names for part in name.split("+")]
+
+
 def _describe(layout: Layout) -> str:
+    what = layout.what if layout.rotary is None else f"{layout.what}, {layout.rotary}"
     if layout.window is None:
-        return layout.what
+        return what
     keys = layout.window - 1
-    return f"{layout.what}, a sliding window: each query sees itself and {keys} keys before"
+    return f"{what}, a sliding window: each query sees itself and {keys} keys before"
 
 
 def _first_match(out, x, layouts, causal, tol) -> Layout | None:
@@ -199,10 +258,11 @@ def _width(layout: Layout) -> int:
     return sum(g.v.width // g.num_kv_heads * g.num_heads for g in layout.groups)
 
 
-def _fitting_bugs(out, x, layouts, causal, tol, suspects) -> list[str]:
+def _fitting_bugs(out, x, layouts, causal, tol, suspects) -> tuple[list[str], Layout | None]:
     """Explanations of the variants that match the module's output and differ from the
     correct reference (a variant equal to it, e.g. no transpose with one head, proves
-    nothing), each with the suspect line of the source when there is one."""
+    nothing), each with the suspect line of the source when there is one; and the layout
+    they fit in (None when none fits)."""
     fits: list[str] = []
     for layout in layouts:
         if _width(layout) != out.shape[-1]:
@@ -211,16 +271,24 @@ def _fitting_bugs(out, x, layouts, causal, tol, suspects) -> list[str]:
         for variant, explanation in BUGS.items():
             if (variant in _MASK_BUGS and not causal) or explanation in fits:
                 continue
+            if variant in _ROTARY_BUGS and layout.rotary is None:
+                continue
             try:
                 candidate = reference(x, layout, causal, variant)
             except RuntimeError:  # a variant that does not fit these shapes
                 continue
             if not _close(candidate, expected, tol) and _close(out, candidate, tol):
-                fits += source.explain(suspects, _POINTERS.get(variant, ()))  # the line first
+                pointers = _POINTERS.get(_family(variant), ())
+                fits += source.explain(suspects, pointers)  # the line first
                 fits.append(explanation)
         if fits:
-            return fits
-    return fits
+            return fits, layout
+    return fits, None
+
+
+def _family(variant: str) -> str:
+    """The bug a variant is a form of (inverted_mask_strict_finite -> inverted_mask)."""
+    return variant.removesuffix("_finite").removesuffix("_strict")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> bool:
@@ -247,16 +315,24 @@ def reference(
 ) -> torch.Tensor:
     """The attention of x (b, t, d_in) in `layout`, with one classic bug when `variant`
     names one (a key of BUGS)."""
-    out = torch.cat([_attend(x, g, causal, variant, layout.window) for g in layout.groups], -1)
+    groups = layout.groups
+    out = torch.cat(
+        [_attend(x, g, causal, variant, layout.window, layout.rotary) for g in groups], -1
+    )
     return out if layout.out is None else _linear(out, layout.out)
 
 
-def _attend(x, p: Projections, causal: bool, variant: str, window: int | None) -> torch.Tensor:
+def _attend(
+    x, p: Projections, causal: bool, variant: str, window: int | None, rope: Rotary | None
+) -> torch.Tensor:
     b, t, _ = x.shape
     q, k, v = _linear(x, p.q), _linear(x, p.k), _linear(x, p.v)  # (b, t, width)
     head_dim = q.shape[-1] // p.num_heads
     q = _heads(q, p.num_heads, variant)  # (b, h, t, hd)
     k, v = _heads(k, p.num_kv_heads, variant), _heads(v, p.num_kv_heads, variant)  # (b, g, t, .)
+    if rope is not None:
+        q = q if variant == "queries_not_rotated" else rope.apply(q)
+        k = k if variant == "keys_not_rotated" else rope.apply(k)
     groups = p.num_heads // p.num_kv_heads
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (b, h, t, .)
     scale = {
@@ -269,7 +345,10 @@ def _attend(x, p: Projections, causal: bool, variant: str, window: int | None) -
     if variant != "scale_after_softmax":
         scores = scores * scale
     if causal and variant != "no_mask":
-        scores = scores.masked_fill(_masked(t, variant, window), -torch.inf)
+        # a row masked whole: -inf gives NaN (attnlab's reference: zeros), a finite minimum
+        # (torch.finfo(dtype).min, as GPT-NeoX and HF write the mask) a uniform row
+        fill = torch.finfo(scores.dtype).min if variant.endswith("_finite") else -torch.inf
+        scores = scores.masked_fill(_masked(t, variant.removesuffix("_finite"), window), fill)
     weights = torch.softmax(scores, dim=-2 if variant == "softmax_queries" else -1)
     if variant == "scale_after_softmax":
         weights = weights * scale
@@ -289,6 +368,8 @@ def _masked(t: int, variant: str, window: int | None) -> torch.Tensor:
         return ones.triu(2)
     if variant == "inverted_mask":
         return ones.tril(-1)
+    if variant == "inverted_mask_strict":  # the diagonal hidden too: only later keys seen
+        return ones.tril(0)
     if window is not None:
         return ones.triu(1) | ones.tril(-window)  # the future, and keys window or more back
     return ones.triu(1)
@@ -415,18 +496,38 @@ def _flat_layouts(module: nn.Module, layers: list[Layer], d_in: int) -> list[Lay
     heads = _int_attribute(module, _HEAD_ATTRIBUTES)
     kv_heads = _int_attribute(module, _KV_ATTRIBUTES)
     layouts = []
-    for (q, k, v), used, shape in _qkv_sources(layers, d_in):
+    for (q, k, v), used, shape, laid_out in _qkv_sources(layers, d_in):
         for h, g in _head_counts(q.width, k.width, v.width, heads, kv_heads):
+            if laid_out is not None and (h, g) != (laid_out, laid_out):
+                continue  # rows laid out per head: only that head count
             width = v.width // g * h
-            outs = [None] + [o for o in layers if o.name not in used and o.fan_in == width]
+            outs = [None, *_outputs(layers, used, width)]
             for out in outs:
                 groups = [Projections(q, k, v, h, g)]
                 layouts.append(_named_layout(groups, out, shape, layers, used))
     return layouts
 
 
+def _outputs(layers: list[Layer], used: set[str], width: int) -> list[Layer]:
+    """Output layers the heads' concatenation (width) may go through: each unused layer
+    taking that width, then each such layer followed by a later one taking its output (an
+    attention module's own output projection, then the wrapper's: nn.MultiheadAttention
+    followed by a Linear, as in the book's bonus MHAPyTorchClass)."""
+    free = [layer for layer in layers if layer.name not in used]
+    singles = [layer for layer in free if layer.fan_in == width]
+    chains = [
+        _chain(first, then)
+        for i, first in enumerate(free)
+        if first.fan_in == width
+        for then in free[i + 1 :]
+        if then.fan_in == first.width
+    ]
+    return singles + chains
+
+
 def _qkv_sources(layers: list[Layer], d_in: int):
-    """((q, k, v), names of the layers used, the shape's name) for every assignment."""
+    """((q, k, v), names of the layers used, the shape's name, the head count its rows are
+    laid out for or None) for every assignment."""
     inputs = [layer for layer in layers if layer.fan_in == d_in]
     chains = [
         _chain(down, up)
@@ -437,18 +538,46 @@ def _qkv_sources(layers: list[Layer], d_in: int):
     for fused in [layer for layer in inputs if role_hint(layer.name) in (None, "qkv")]:
         for sizes in _fused_splits(fused.width):
             q, k, v = _split(fused, sizes)
-            yield (q, k, v), {fused.name}, "fused query/key/value projection"
+            yield (q, k, v), {fused.name}, "fused query/key/value projection", None
+        if fused.width % 3 == 0:
+            for heads in _divisors(fused.width // 3):
+                q, k, v = _split_per_head(fused, heads)
+                shape = f"fused query/key/value projection laid out per head ({heads} heads)"
+                yield (q, k, v), {fused.name}, shape, heads
     for q, kv in itertools.permutations(inputs + chains, 2):
         hints = role_hint(q.name.split("+")[-1]), role_hint(kv.name.split("+")[-1])
         named = hints[0] in (None, "q") and hints[1] in (None, "kv")
         if named and kv.width % 2 == 0 and set(_parts(q)).isdisjoint(_parts(kv)):
             k, v = _split(kv, (kv.width // 2, kv.width // 2))
-            yield (q, k, v), {*_parts(q), *_parts(kv)}, "a query and a fused key/value projection"
+            shape = "a query and a fused key/value projection"
+            yield (q, k, v), {*_parts(q), *_parts(kv)}, shape, None
     for q, k, v in itertools.permutations(inputs + chains, 3):
         names = [_parts(q), _parts(k), _parts(v)]
         ups = [n[-1] for n in names]
         if len(set(ups)) == 3 and not set(names[0]) & (set(names[1]) | set(names[2])):
-            yield (q, k, v), {*names[0], *names[1], *names[2]}, "separate projections"
+            yield (q, k, v), {*names[0], *names[1], *names[2]}, "separate projections", None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]  # one head: the plain split's layout
+
+
+def _split_per_head(fused: Layer, heads: int) -> list[Layer]:
+    """Query, key and value rows of a fused layer laid out head by head (GPT-NeoX's
+    query_key_value: head 0's query, key and value rows, then head 1's, ...)."""
+    hd = fused.width // (3 * heads)
+    names = ["[query]", "[key]", "[value]"]
+
+    def rows(t: torch.Tensor | None, part: int) -> torch.Tensor | None:
+        if t is None:
+            return None
+        per_head = t.reshape(heads, 3, hd, *t.shape[1:])  # (heads, q|k|v, hd, ...)
+        return per_head[:, part].reshape(heads * hd, *t.shape[1:])
+
+    return [
+        Layer(fused.name + n, rows(fused.weight, i), rows(fused.bias, i))
+        for i, n in enumerate(names)
+    ]
 
 
 def _parts(layer: Layer) -> list[str]:
