@@ -56,7 +56,7 @@ def audit(
         ValueError: d_in or context_length below 1, or d_in not given and not found.
     """
     check_arguments(module, causal, d_in, context_length, factory)
-    probe = make_probe(module, d_in, context_length)
+    probe = make_probe(module, d_in, context_length, causal=causal)
     report = AuditReport(type(module).__name__, causal, probe.d_in, probe.context_length)
     for step in attention_steps(probe, report, factory):
         report.results.append(run_step(step, source_files(module)))

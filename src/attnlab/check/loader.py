@@ -7,13 +7,16 @@ marked as the module's (runner.user_code), to be reported as a finding.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
 import sys
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from attnlab.check.runner import user_code
@@ -91,13 +94,90 @@ def bind(cls: type, args: list, kwargs: dict) -> dict:
 
 
 def factory_of(cls: type[nn.Module], args: list, kwargs: dict) -> Callable[[], nn.Module]:
-    """A function building a new instance; what the constructor raises is the module's."""
+    """A function building a new instance; what the constructor raises is the module's.
+    On a machine without CUDA, `.cuda()` in the constructor (a cache allocated on the GPU,
+    as reference implementations do) leaves the tensor or module on the CPU."""
 
     def factory() -> nn.Module:
-        with user_code():
+        with user_code(), _cuda_on_cpu():
             return cls(*args, **kwargs)
 
     return factory
+
+
+@contextlib.contextmanager
+def _cuda_on_cpu() -> Iterator[None]:
+    """Tensor.cuda and Module.cuda as no-ops while CUDA is unavailable (else as they are)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.Tensor.cuda, nn.Module.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    nn.Module.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, nn.Module.cuda = saved
+
+
+# constructor parameters that take a configuration object, and per-layer indices
+_CONFIG_NAMES = ("config", "cfg", "args", "model_args", "params", "hparams", "conf")
+_LAYER_INDEX_NAMES = ("layer_idx", "layer_id", "layer_number", "block_idx")
+
+
+class ConfigDict(dict):
+    """--init's object as a configuration that reads both ways: cfg["emb_dim"] (the book's
+    GPTModel) and config.n_embd (nanoGPT's, minGPT's, Meta's without an annotation)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the configuration from --init has no {name!r}") from None
+
+
+def adapt_init(cls: type, args: list, kwargs: dict) -> tuple[list, dict, list[str]]:
+    """--init's arguments shaped for the constructor, and a line per change made:
+
+    - a constructor taking a configuration (a parameter named config, cfg, args, ...) gets
+      it built from the JSON object: the parameter's annotated class called with its
+      fields (a dataclass, a transformers config), else a ConfigDict; an object whose keys
+      are not constructor parameters is taken as that configuration whole;
+    - a required layer index (layer_idx, layer_id, ...) not given is 0.
+    """
+    try:
+        parameters = dict(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs, []
+    notes: list[str] = []
+    kwargs = dict(kwargs)
+    config_name = next((n for n in parameters if n in _CONFIG_NAMES), None)
+    if config_name and not args and not set(kwargs) & set(parameters):
+        kwargs = {config_name: kwargs}  # {} too: a configuration class's defaults
+    if config_name and isinstance(kwargs.get(config_name), dict):
+        kwargs[config_name], built = _config(cls, config_name, kwargs[config_name])
+        notes.append(f"{config_name} built from --init as {built}")
+    for name, parameter in list(parameters.items())[len(args) :]:
+        required = parameter.default is inspect.Parameter.empty
+        if name in _LAYER_INDEX_NAMES and required and name not in kwargs:
+            kwargs[name] = 0
+            notes.append(f"{name}=0 (a required layer index not given)")
+    return args, kwargs, notes
+
+
+def _config(cls: type, name: str, fields: dict) -> tuple[object, str]:
+    """The configuration object for parameter `name` from --init's fields, and its kind."""
+    try:
+        annotation = typing.get_type_hints(cls.__init__).get(name)
+    except Exception:  # unresolvable string annotations: no class to build
+        annotation = None
+    if isinstance(annotation, type) and annotation not in (dict, object):
+        try:
+            with user_code():
+                return annotation(**fields), annotation.__name__
+        except TypeError as error:
+            raise LoadError(f"{annotation.__name__}(**--init): {error} (check --init)") from error
+    return ConfigDict(fields), "a ConfigDict (attribute and item access)"
 
 
 _SIZES = {
@@ -135,6 +215,7 @@ def _import(file: Path):
     if spec is None or spec.loader is None:
         raise LoadError(f"cannot import {file} (not a Python file?)")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and typing resolve names through it
     sys.path.insert(0, folder)
     try:
         with user_code():

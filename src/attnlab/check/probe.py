@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnlab.check import arguments
+from attnlab.check.arguments import Builder
 from attnlab.check.runner import user_code
 
 
@@ -35,6 +37,9 @@ class Probe:
     num_heads: int | None = None  # from --init or the module, when found
     seq_first: bool = False  # batch_first=False: the module takes (tokens, batch, d_in)
     unbatched: bool = False  # the module takes (tokens, d_in) only: called row by row
+    # forward's other required arguments (positions, rotary tables, masks) by name: built
+    # per call from x as the model around the module would (check.arguments)
+    extra: dict[str, Builder] = dataclasses.field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The module's (batch, tokens, d_out) output for x (batch, tokens, d_in), in the
@@ -49,8 +54,9 @@ class Probe:
 
     def call(self, x: torch.Tensor) -> torch.Tensor:
         """The module's output for x as given (the first element when it returns a tuple)."""
+        extra = {name: build(x) for name, build in self.extra.items()}
         with user_code():
-            out = self.module(x, x, x) if self.takes_qkv else self.module(x)
+            out = self.module(x, x, x) if self.takes_qkv else self.module(x, **extra)
         if isinstance(out, tuple | list) and out:
             out = out[0]
         if not isinstance(out, torch.Tensor):
@@ -78,6 +84,7 @@ def make_probe(
     d_in: int | None,
     context_length: int | None,
     num_heads: int | None = None,
+    causal: bool = True,
 ) -> Probe:
     """A Probe on a copy of `module`, with d_in and context_length found when not given.
 
@@ -86,6 +93,7 @@ def make_probe(
         d_in: its input width, or None to read it from the module.
         context_length: its longest input, or None to read it from the module (may stay None).
         num_heads: its head count, or None to read it from the module (may stay None).
+        causal: whether the audit is causal (the mask it supplies to a forward taking one).
 
     Returns:
         The Probe.
@@ -112,9 +120,39 @@ def make_probe(
     with user_code():  # deepcopy runs the module's __deepcopy__/__reduce__, if it has one
         private = copy.deepcopy(module)
     seq_first = getattr(module, "batch_first", None) is False  # nn.MultiheadAttention's flag
-    return Probe(
+    probe = Probe(
         private, d_in, context_length, dtype, _takes_qkv(module), num_heads, seq_first=seq_first
     )
+    forms = arguments.builders(private, _head_dim(private, d_in, num_heads), causal)
+    probe.extra = _first_form_that_runs(probe, forms)
+    return probe
+
+
+def _head_dim(module: nn.Module, d_in: int, num_heads: int | None) -> int | None:
+    """The head width: a head_dim attribute (on the module or its config), else d_in /
+    num_heads."""
+    for owner in (module, getattr(module, "config", None)):
+        value = getattr(owner, "head_dim", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return d_in // num_heads if num_heads and d_in % num_heads == 0 else None
+
+
+def _first_form_that_runs(probe: Probe, forms: list[dict]) -> dict:
+    """The first of forward's argument forms that a 2-token call runs with (gpt-fast takes
+    its rotary tables real, Meta's Llama complex); the first when none runs (the module's
+    error is then the audit's finding)."""
+    if len(forms) == 1:
+        return forms[0]
+    x = probe.inputs(1, 2, seed=0)
+    for form in forms:
+        try:
+            with torch.no_grad():
+                probe.module(x, **{name: build(x) for name, build in form.items()})
+        except Exception:  # the module's own error with this form: try the next
+            continue
+        return form
+    return forms[0]
 
 
 _HEADS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
@@ -222,7 +260,8 @@ def _in_width(layer: object) -> int | None:
 
 
 def _takes_qkv(module: nn.Module) -> bool:
-    """True for forward(query, key, value, ...) with key and value required."""
+    """True for forward(query, key, value, ...) with key and value required (not for
+    forward(x, start_pos, freqs_cis, mask), whose other arguments the check supplies)."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -233,4 +272,4 @@ def _takes_qkv(module: nn.Module) -> bool:
         if p.default is inspect.Parameter.empty
         and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    return len(required) >= 3
+    return len(required) >= 3 and not arguments.supplies([p.name for p in required[1:]])

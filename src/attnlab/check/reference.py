@@ -152,6 +152,8 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         return skipped(NAME, TITLE, why)
     suspects = source.find_suspects(probe.module)
     positions = source.explain(suspects, ("uses_positions",))
+    if {"freqs_cis", "position_embeddings"} & set(probe.extra):
+        positions.append("the rotary tables the check gives its forward")
     x = probe.inputs(2, tokens, seed)
     with torch.no_grad():
         out = probe(x).double()
@@ -482,8 +484,10 @@ _KV_ATTRIBUTES = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "n_kv_hea
 
 def _int_attribute(module: nn.Module, names: tuple[str, ...]) -> int | None:
     """The first positive int attribute of those names, on the module or a submodule
-    (a wrapper around GPT-2's attention)."""
-    for sub in module.modules():
+    (a wrapper around GPT-2's attention), or on its config (transformers' attention
+    classes keep the head counts there)."""
+    owners = [*module.modules(), getattr(module, "config", None)]
+    for sub in owners:
         for name in names:
             value = getattr(sub, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

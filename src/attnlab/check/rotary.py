@@ -89,8 +89,11 @@ def _read(module: nn.Module, head_dim: int) -> tuple[list[int], list[float], lis
             owned.append(name)
         if leaf == "cos" or leaf.startswith(("cos", "_cos")):
             owned.append(name.replace("cos", "sin"))  # its sine twin
-    for sub in module.modules():
-        for attribute, value in vars(sub).items():
+    owners = [*module.modules(), *(getattr(m, "config", None) for m in module.modules())]
+    for sub in owners:
+        fields = sub if isinstance(sub, dict) else getattr(sub, "__dict__", {})
+        nested = [v for v in fields.values() if isinstance(v, dict)]  # rope_parameters
+        for attribute, value in [*fields.items(), *(i for d in nested for i in d.items())]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if attribute in _BASE_NAMES and value > 1:

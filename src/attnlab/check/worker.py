@@ -24,6 +24,7 @@ from attnlab.check import attention_steps, finish, plan, source_files
 from attnlab.check import model as model_audit
 from attnlab.check.loader import (
     LoadError,
+    adapt_init,
     bind,
     factory_of,
     load_class,
@@ -68,6 +69,7 @@ def run_job(job: dict, emit: Emit) -> None:
     emit("start", name="load", title=LOAD_TITLE)
     try:
         cls = load_class(file, name)
+        args, kwargs, _ = adapt_init(cls, args, kwargs)
         sizes = sizes_from_init(bind(cls, args, kwargs))
         factory = factory_of(cls, args, kwargs)
         torch.manual_seed(job["seed"])  # the same weights, the same report, every run
@@ -93,9 +95,8 @@ LOAD_TITLE = "the file imports and the class builds with --init"
 def _audit_attention(module, name, job, sizes, factory, files, emit: Emit) -> None:
     context = job["context_length"] or sizes.get("context_length")
     try:
-        probe = make_probe(
-            module, job["d_in"] or sizes.get("d_in"), context, sizes.get("num_heads")
-        )
+        d_in, heads = job["d_in"] or sizes.get("d_in"), sizes.get("num_heads")
+        probe = make_probe(module, d_in, context, heads, causal=job["causal"])
     except ValueError as usage:
         raise LoadError(str(usage)) from usage
     report = AuditReport(name, job["causal"], probe.d_in, probe.context_length)

@@ -1,0 +1,64 @@
+"""`attnlab check FILE:Class --init JSON` on the forms modern families publish (tests/check/
+forms.py), with no adapter: a configuration object built from --init (a dataclass, an
+attribute-read config, transformers' own config class), forward arguments the model would
+pass (start_pos, freqs_cis real or complex, mask, input_pos, position_embeddings and
+attention_mask), .cuda() in a constructor on a CPU-only machine. Each correct form exits 0
+with the reference passed; each planted bug exits 1 with its cause named first."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attnlab import cli
+
+FORMS = str(Path(__file__).with_name("forms.py"))
+LLAMA_CONFIG = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "vocab_size": 64,
+    "max_position_embeddings": 16,
+}
+MINGPT = {"n_embd": 32, "n_head": 4, "block_size": 16, "attn_pdrop": 0.0, "resid_pdrop": 0.0}
+
+
+def _check(capsys, name: str, init: dict) -> tuple[int, dict]:
+    code = cli.main(["check", f"{FORMS}:{name}", "--init", json.dumps(init), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    return code, {result["name"]: result for result in report["results"]}
+
+
+@pytest.mark.parametrize(
+    ("name", "init"),
+    [
+        ("MetaAttention", {}),  # ModelArgs(), forward(x, start_pos, freqs_cis, mask), .cuda()
+        ("FastAttention", {}),  # FastArgs(), forward(x, freqs_cis real, mask, input_pos)
+        ("MinGPTSelfAttention", MINGPT),  # an unannotated config read by attribute
+        ("LlamaAttention", LLAMA_CONFIG),  # transformers' class, LlamaConfig, layer_idx
+    ],
+)
+def test_each_form_is_audited_without_an_adapter(capsys, name, init):
+    if name == "LlamaAttention":
+        pytest.importorskip("transformers")
+    code, results = _check(capsys, name, init)
+    failed = {
+        n: (r["observed"], r["causes"]) for n, r in results.items() if r["status"] == "failed"
+    }
+    assert code == 0 and not failed, failed
+    assert results["reference"]["status"] == "passed", results["reference"]["observed"]
+
+
+@pytest.mark.parametrize(
+    ("name", "init", "words"),
+    [
+        ("MetaAttention", {"scale_bug": True}, "scale is missing"),
+        ("FastAttention", {"merge_bug": True}, "no transpose(1, 2) first"),
+    ],
+)
+def test_a_planted_bug_in_each_form_is_named_first(capsys, name, init, words):
+    code, results = _check(capsys, name, init)
+    assert code == 1 and results["reference"]["status"] == "failed"
+    assert words in results["reference"]["causes"][0], results["reference"]["causes"]
