@@ -75,3 +75,19 @@ def test_both_conventions_rotate_by_position_and_keep_the_norm():
     pairs = Rotary("pairs", 4, 100.0).apply(x)[0, 0, p]
     a, b = x[0, 0, p, 2 * i], x[0, 0, p, 2 * i + 1]
     torch.testing.assert_close(pairs[2 * i + 1], b * angle.cos() + a * angle.sin())
+
+
+def test_a_cut_list_says_how_many_it_left_out_and_each_cause_is_given_once():
+    from attnlab.check.report import failed, joined, listed
+
+    assert listed(list(range(9))) == "[0, 1, 2, 3, 4, 5] and 3 more (9 in all)"
+    assert listed([1, 2]) == "[1, 2]"
+    assert joined(["a", "b", "c"], 2) == "a, b and 1 more"
+    assert failed("x", "t", "o", ["one", "two", "one"]).causes == ["one", "two"]
+
+
+def test_a_leak_into_every_position_lists_them_with_the_count():
+    """NeoX's inverted mask: changing the last token moves every earlier output; the
+    observation lists six positions and says how many more there are."""
+    report = _audit("NeoXStyleAttention", mask_bug=True)
+    assert "and 9 more (15 in all)" in report["causal"].observed, report["causal"].observed

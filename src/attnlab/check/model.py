@@ -32,7 +32,15 @@ import torch
 from torch import nn
 
 from attnlab.check.properties import BATCH_MIXING_CAUSES
-from attnlab.check.report import AuditReport, PropertyResult, failed, passed, skipped, warning
+from attnlab.check.report import (
+    AuditReport,
+    PropertyResult,
+    failed,
+    joined,
+    passed,
+    skipped,
+    warning,
+)
 from attnlab.check.runner import Step, describe, user_code
 
 _SEED = 0
@@ -525,11 +533,11 @@ def check_finite_gradients(probe: ModelProbe) -> PropertyResult:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     bad = [n for n, p in params if p.grad is not None and not torch.isfinite(p.grad).all()]
     if bad:
-        observed = f"non-finite gradients for {', '.join(bad[:5])}"
+        observed = f"non-finite gradients for {joined(bad, 5)}"
         return failed(name, TITLES[name], observed, ["NaN in the backward of a masked softmax"])
     missing = [n for n, p in params if p.grad is None]
     if missing:
-        return warning(name, TITLES[name], f"no gradient reaches {', '.join(missing[:5])}")
+        return warning(name, TITLES[name], f"no gradient reaches {joined(missing, 5)}")
     return passed(name, TITLES[name], f"{len(params)} parameters, all with finite gradients")
 
 

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from attnlab.check import causes as source
 from attnlab.check.probe import Probe
-from attnlab.check.report import PropertyResult, failed, passed, skipped, warning
+from attnlab.check.report import PropertyResult, failed, joined, listed, passed, skipped, warning
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -116,7 +116,7 @@ def check_runs(probe: Probe, seed: int) -> tuple[PropertyResult, int | None]:
             "the mask buffer is not sliced to the input's length: use "
             "self.mask.bool()[:num_tokens, :num_tokens]",
         )
-    return failed(name, TITLES[name], "; ".join(problems[:4]), causes), longest
+    return failed(name, TITLES[name], joined(problems, 4, "; "), causes), longest
 
 
 def _runs_unbatched(probe: Probe, seed: int) -> bool:
@@ -195,7 +195,7 @@ def _leak(probe: Probe, leaks: dict[int, tuple[list[int], float]]) -> PropertyRe
     suspects = source.find_suspects(probe.module)
     start, (positions, gap) = max(leaks.items())
     observed = (
-        f"changing tokens {start} onward changed the output at positions {positions[:6]} "
+        f"changing tokens {start} onward changed the output at positions {listed(positions)} "
         f"(max |difference| {gap:.3g})"
     )
     one_ahead = start >= 2 and all(moved == [s - 1] for s, (moved, _) in leaks.items())

@@ -33,7 +33,7 @@ from attnlab.check import causes as source
 from attnlab.check import rotary
 from attnlab.check.probe import Probe
 from attnlab.check.properties import tolerances
-from attnlab.check.report import PropertyResult, failed, passed, skipped
+from attnlab.check.report import PropertyResult, failed, joined, passed, skipped
 from attnlab.check.rotary import Rotary
 from attnlab.heads import repeat_kv
 
@@ -411,7 +411,7 @@ def candidate_layouts(module: nn.Module, d_in: int) -> tuple[list[Layout], bool,
     informative = any(layout.consistent for layout in layouts) and _named(layers)
     why = f"{len(layers)} projection layers"
     if extra:
-        why += f"; state outside them ({', '.join(extra[:4])}): a positional bias or rotation?"
+        why += f"; state outside them ({joined(extra, 4)}): a positional bias or rotation?"
     return layouts[:_MAX_LAYOUTS], informative and not extra, why
 
 

@@ -150,7 +150,23 @@ def passed(name: str, title: str, observed: str = "") -> PropertyResult:
 
 
 def failed(name: str, title: str, observed: str, causes: list[str]) -> PropertyResult:
-    return PropertyResult(name, title, FAILED, observed, list(causes))
+    """A failed result; each cause once, in the order given (the likeliest first)."""
+    return PropertyResult(name, title, FAILED, observed, list(dict.fromkeys(causes)))
+
+
+def joined(values: list, limit: int, separator: str = ", ") -> str:
+    """At most `limit` values joined, saying how many it leaves out: "a, b and 3 more"."""
+    shown = separator.join(map(str, values[:limit]))
+    left = len(values) - limit
+    return f"{shown} and {left} more" if left > 0 else shown
+
+
+def listed(values: list, limit: int = 6) -> str:
+    """values as a list of at most `limit`, saying how many it leaves out: "[0, 1, 2] and
+    4 more (7 in all)"."""
+    shown = f"[{', '.join(map(str, values[:limit]))}]"
+    left = len(values) - limit
+    return f"{shown} and {left} more ({len(values)} in all)" if left > 0 else shown
 
 
 def warning(name: str, title: str, why: str) -> PropertyResult:
