@@ -156,8 +156,3 @@ class MinGPTSelfAttention(nn.Module):
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
-
-try:  # transformers' own attention class, built from its config (the hf extra)
-    from transformers.models.llama.modeling_llama import LlamaAttention
-except ImportError:  # pragma: no cover - without the extra the test is skipped
-    LlamaAttention = None

@@ -13,6 +13,7 @@ import pytest
 from attnlab import cli
 
 FORMS = str(Path(__file__).with_name("forms.py"))
+FORMS_HF = str(Path(__file__).with_name("forms_hf.py"))  # imports transformers: its own file
 LLAMA_CONFIG = {
     "hidden_size": 32,
     "num_attention_heads": 4,
@@ -26,7 +27,8 @@ MINGPT = {"n_embd": 32, "n_head": 4, "block_size": 16, "attn_pdrop": 0.0, "resid
 
 
 def _check(capsys, name: str, init: dict) -> tuple[int, dict]:
-    code = cli.main(["check", f"{FORMS}:{name}", "--init", json.dumps(init), "--json"])
+    file = FORMS_HF if name == "LlamaAttention" else FORMS
+    code = cli.main(["check", f"{file}:{name}", "--init", json.dumps(init), "--json"])
     report = json.loads(capsys.readouterr().out)
     return code, {result["name"]: result for result in report["results"]}
 
