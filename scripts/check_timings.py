@@ -39,6 +39,7 @@ TARGETS = [
     ("forms.py:FastAttention", {"merge_bug": True}),
     ("forms.py:MinGPTSelfAttention", MINGPT),
     ("forms_hf.py:LlamaAttention", LLAMA),
+    ("forms_hf.py:GPT2Attention", {"n_embd": 32, "n_head": 4, "n_positions": 16}),
 ]
 
 

@@ -155,4 +155,3 @@ class MinGPTSelfAttention(nn.Module):
         att = self.attn_dropout(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
-

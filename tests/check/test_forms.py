@@ -23,11 +23,13 @@ LLAMA_CONFIG = {
     "vocab_size": 64,
     "max_position_embeddings": 16,
 }
+GPT2_CONFIG = {"n_embd": 32, "n_head": 4, "n_positions": 16, "n_layer": 1, "vocab_size": 64}
+HF = ("LlamaAttention", "GPT2Attention")
 MINGPT = {"n_embd": 32, "n_head": 4, "block_size": 16, "attn_pdrop": 0.0, "resid_pdrop": 0.0}
 
 
 def _check(capsys, name: str, init: dict) -> tuple[int, dict]:
-    file = FORMS_HF if name == "LlamaAttention" else FORMS
+    file = FORMS_HF if name in HF else FORMS
     code = cli.main(["check", f"{file}:{name}", "--init", json.dumps(init), "--json"])
     report = json.loads(capsys.readouterr().out)
     return code, {result["name"]: result for result in report["results"]}
@@ -40,10 +42,11 @@ def _check(capsys, name: str, init: dict) -> tuple[int, dict]:
         ("FastAttention", {}),  # FastArgs(), forward(x, freqs_cis real, mask, input_pos)
         ("MinGPTSelfAttention", MINGPT),  # an unannotated config read by attribute
         ("LlamaAttention", LLAMA_CONFIG),  # transformers' class, LlamaConfig, layer_idx
+        ("GPT2Attention", GPT2_CONFIG),  # unannotated config: its module's GPT2Config
     ],
 )
 def test_each_form_is_audited_without_an_adapter(capsys, name, init):
-    if name == "LlamaAttention":
+    if name in HF:
         pytest.importorskip("transformers")
     code, results = _check(capsys, name, init)
     failed = {
@@ -64,3 +67,14 @@ def test_a_planted_bug_in_each_form_is_named_first(capsys, name, init, words):
     code, results = _check(capsys, name, init)
     assert code == 1 and results["reference"]["status"] == "failed"
     assert words in results["reference"]["causes"][0], results["reference"]["causes"]
+
+
+def test_a_gpt_returning_the_last_logits_alone_is_audited_as_a_model(capsys):
+    """nanoGPT's GPT (examples/nanogpt.py): an unannotated config built as the file's own
+    GPTConfig dataclass, and a forward returning only the last position's logits without
+    targets, given the ids as targets so that it returns every position's."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "nanogpt.py"
+    code = cli.main(["check", f"{example}:GPT", "--init", "{}", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    results = {result["name"]: result["status"] for result in report["results"]}
+    assert code == 0 and results["runs"] == results["causal"] == "passed", report

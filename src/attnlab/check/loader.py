@@ -8,6 +8,7 @@ marked as the module's (runner.user_code), to be reported as a finding.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -165,12 +166,29 @@ def adapt_init(cls: type, args: list, kwargs: dict) -> tuple[list, dict, list[st
     return args, kwargs, notes
 
 
+def _module_config_class(cls: type) -> type | None:
+    """The one configuration class the module defining `cls` holds, for an unannotated
+    `config`: a dataclass named ...Config or ...Args (nanoGPT's GPTConfig beside
+    GPT(config)), else a transformers configuration (a ...Config with a `model_type`, as
+    GPT2Attention(config) beside GPT2Config); None when there is not exactly one."""
+    namespace = vars(sys.modules.get(cls.__module__, object()))
+    named = [v for k, v in namespace.items() if k.endswith(("Config", "Args"))]
+    named = [v for v in named if isinstance(v, type)]
+    for kind in (dataclasses.is_dataclass, lambda value: hasattr(value, "model_type")):
+        found = {value for value in named if kind(value)}
+        if found:
+            return found.pop() if len(found) == 1 else None
+    return None
+
+
 def _config(cls: type, name: str, fields: dict) -> tuple[object, str]:
     """The configuration object for parameter `name` from --init's fields, and its kind."""
     try:
         annotation = typing.get_type_hints(cls.__init__).get(name)
     except Exception:  # unresolvable string annotations: no class to build
         annotation = None
+    if not isinstance(annotation, type):
+        annotation = _module_config_class(cls)
     if isinstance(annotation, type) and annotation not in (dict, object):
         try:
             with user_code():

@@ -87,9 +87,11 @@ class ModelProbe:
         return min(PROBE_TOKENS, self.context_length or PROBE_TOKENS)
 
     def raw(self, ids: torch.Tensor, **kwargs):
-        """The forward's output as it is, with what it raises marked as the model's."""
+        """The forward's output as it is, with what it raises marked as the model's; a
+        forward taking `targets` is given the ids as targets, so that it returns the logits
+        of every position (nanoGPT's GPT returns the last one's alone without them)."""
         with user_code():
-            return self.module(ids, **kwargs)
+            return self.module(ids, **kwargs, **_targets(self.module, ids, kwargs))
 
     def __call__(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """The logits (b, t, v) for ids (b, t)."""
@@ -124,6 +126,16 @@ def logits_of(out: object) -> torch.Tensor:
     return out
 
 
+def _targets(module: nn.Module, ids: torch.Tensor, given: dict) -> dict:
+    """{"targets": ids} for a forward with a `targets` parameter not given, else {}."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    wanted = "targets" in names and "targets" not in given
+    return {"targets": ids.contiguous()} if wanted else {}  # .view(-1) in its loss
+
+
 def takes_token_ids(module: nn.Module) -> bool:
     """True when the module looks like a language model: it holds an nn.Embedding and
     token ids (1, 2) give a (1, 2, vocab) float output. What it raises means no."""
@@ -135,7 +147,7 @@ def takes_token_ids(module: nn.Module) -> bool:
     try:
         module.eval()
         with torch.no_grad(), user_code():
-            out = logits_of(module(ids))
+            out = logits_of(module(ids, **_targets(module, ids, {})))
     except Exception:  # not a model taking token ids: audited as attention
         return False
     finally:
