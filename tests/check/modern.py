@@ -227,6 +227,62 @@ class MetaLlamaStyleAttention(nn.Module):
         return self.wo(output)
 
 
+class TimmStyleAttention(nn.Module):
+    """timm's ViT attention: fused qkv, q_norm/k_norm as Identity, self.scale, non-causal
+    (audited with causal=False), attn_drop and proj_drop."""
+
+    def __init__(self, dim=D, num_heads=4, qkv_bias=True, scale_bug=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = 1.0 if scale_bug else self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
+        self.attn_drop = nn.Dropout(0.0)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        B, N, C = x.shape  # noqa: N806 (timm's names)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        attn = self.attn_drop(attn.softmax(dim=-1))
+        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+
+class XTransformersStyleAttention(nn.Module):
+    """x-transformers style: to_q, to_k, to_v, to_out, einsum scores, a causal mask built
+    with triu on the fly, heads split with einops-like rearranges written out."""
+
+    def __init__(self, dim=D, heads=4, dim_head=8, causal=True, mask_bug=False):
+        super().__init__()
+        self.heads, self.scale, self.causal = heads, dim_head**-0.5, causal
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.Linear(inner, dim, bias=False)
+        self.mask_bug = mask_bug
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.heads
+        q, k, v = (
+            f(x).view(b, n, h, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v)
+        )
+        dots = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        if self.causal:
+            diagonal = 2 if self.mask_bug else 1  # the bug: each query sees the next token
+            causal_mask = torch.ones(n, n, dtype=torch.bool).triu(diagonal)
+            dots = dots.masked_fill(causal_mask, -torch.finfo(dots.dtype).max)
+        attn = dots.softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
 # name -> (constructor keywords, the bug's words in the report) for the planted bugs
 CORRECT = {
     "MHAPyTorchClass": {},
@@ -235,10 +291,15 @@ CORRECT = {
     "NeoXStyleAttention": {},
     "GPTJStyleAttention": {},
     "MetaLlamaStyleAttention": {},
+    "TimmStyleAttention": {},  # audited with causal=False (NON_CAUSAL)
+    "XTransformersStyleAttention": {},
 }
 BUGS = {
     "LlamaStyleAttention": ({"scale_bug": True}, "scale is missing"),
     "NeoXStyleAttention": ({"mask_bug": True}, "inverted"),
     "GPTJStyleAttention": ({"scale_bug": True}, "scale is missing"),
     "MetaLlamaStyleAttention": ({"merge_bug": True}, "no transpose(1, 2)"),
+    "TimmStyleAttention": ({"scale_bug": True}, "scale is missing"),
+    "XTransformersStyleAttention": ({"mask_bug": True}, "one diagonal too high"),
 }
+NON_CAUSAL = {"TimmStyleAttention"}

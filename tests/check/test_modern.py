@@ -19,7 +19,8 @@ def _audit(name: str, **kwargs):
     cls = getattr(modern, name.split("-")[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # casting a complex buffer in follows_to
-        return audit(cls(**kwargs).eval(), d_in=modern.D)
+        causal = cls.__name__ not in modern.NON_CAUSAL
+        return audit(cls(**kwargs).eval(), d_in=modern.D, causal=causal)
 
 
 @pytest.mark.parametrize("name", sorted(modern.CORRECT))
