@@ -23,6 +23,7 @@ class ModelArgs:
     max_batch_size: int = 4
     max_seq_len: int = 16
     scale_bug: bool = False
+    offset_bug: bool = False
 
 
 def apply_rotary_emb(xq, xk, freqs_cis):
@@ -50,7 +51,7 @@ class MetaAttention(nn.Module):
         shape = (args.max_batch_size, args.max_seq_len, self.n_local_kv_heads, self.head_dim)
         self.cache_k = torch.zeros(shape).cuda()
         self.cache_v = torch.zeros(shape).cuda()
-        self.scale_bug = args.scale_bug
+        self.scale_bug, self.offset_bug = args.scale_bug, args.offset_bug
 
     def forward(self, x, start_pos, freqs_cis, mask):
         bsz, seqlen, _ = x.shape
@@ -60,8 +61,9 @@ class MetaAttention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
         self.cache_k = self.cache_k.to(xq)
         self.cache_v = self.cache_v.to(xq)
-        self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-        self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+        write = 0 if self.offset_bug else start_pos  # the bug: the cache written from 0
+        self.cache_k[:bsz, write : write + seqlen] = xk
+        self.cache_v[:bsz, write : write + seqlen] = xv
         keys = self.cache_k[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2)
         values = self.cache_v[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2)
         xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)

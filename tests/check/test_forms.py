@@ -61,6 +61,7 @@ def test_each_form_is_audited_without_an_adapter(capsys, name, init):
     [
         ("MetaAttention", {"scale_bug": True}, "scale is missing"),
         ("FastAttention", {"merge_bug": True}, "no transpose(1, 2) first"),
+        ("MetaAttention", {"offset_bug": True}, "do not continue from start_pos"),
     ],
 )
 def test_a_planted_bug_in_each_form_is_named_first(capsys, name, init, words):

@@ -2,7 +2,8 @@
 model around it would: modern attention layers are called with positions, rotary tables
 and masks that the model builds once, not with x alone.
 
-Recognised by the parameter's name, each built for the call's (batch, tokens):
+Recognised by the parameter's name, each built for the call's (batch, tokens) and the
+position of its first token (0, or the tokens a module's own cache holds before it):
 
 - start_pos (Meta's Llama): 0, the call starts at position 0;
 - input_pos, cache_position (gpt-fast, transformers): arange(tokens);
@@ -28,7 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-Builder = Callable[[torch.Tensor], object]  # x (b, t, d) -> the argument's value
+# (x (b, t, d), the position of its first token) -> the argument's value
+Builder = Callable[..., object]
 
 
 def builders(module: nn.Module, head_dim: int | None, causal: bool) -> list[dict[str, Builder]]:
@@ -88,14 +90,18 @@ def _rope_base(module: nn.Module) -> float:
     return 10000.0
 
 
-def _angles(t: int, head_dim: int, base: float) -> torch.Tensor:
+def _angles(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    return torch.arange(t, dtype=torch.float64)[:, None] * base**-exponents  # (t, hd/2)
+    return positions.double()[:, None] * base**-exponents  # (t, hd/2)
+
+
+def _positions(x: torch.Tensor, start: int) -> torch.Tensor:
+    return torch.arange(start, start + x.shape[1], device=x.device)  # (t,)
 
 
 def _freqs_cis(head_dim, base, rotary, causal) -> Builder:
-    def build(x):
-        angles = _angles(x.shape[1], head_dim, base)
+    def build(x, start=0):
+        angles = _angles(_positions(x, start).cpu(), head_dim, base).to(x.device)
         if rotary == "complex":
             return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
         return torch.stack([angles.cos(), angles.sin()], -1).to(x.dtype)  # (t, hd/2, 2)
@@ -104,8 +110,8 @@ def _freqs_cis(head_dim, base, rotary, causal) -> Builder:
 
 
 def _position_embeddings(head_dim, base, rotary, causal) -> Builder:
-    def build(x):
-        angles = _angles(x.shape[1], head_dim, base)
+    def build(x, start=0):
+        angles = _angles(_positions(x, start).cpu(), head_dim, base).to(x.device)
         both = torch.cat([angles, angles], -1)  # (t, hd): halves rotated
         expand = (x.shape[0], *both.shape)
         return both.cos().to(x.dtype).expand(expand), both.sin().to(x.dtype).expand(expand)
@@ -114,28 +120,26 @@ def _position_embeddings(head_dim, base, rotary, causal) -> Builder:
 
 
 def _mask(head_dim, base, rotary, causal) -> Builder:
-    def build(x):
-        t = x.shape[1]
-        blocked = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1 if causal else t)
-        additive = torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(
-            blocked, -torch.inf
-        )
-        return additive[None, None]  # (1, 1, t, t)
+    def build(x, start=0):
+        """(1, 1, t, start + t): query i, at position start + i, sees keys up to it."""
+        t, keys = x.shape[1], start + x.shape[1]
+        ones = torch.ones(t, keys, dtype=torch.bool, device=x.device)
+        blocked = ones.triu(start + 1) if causal else ones.triu(keys)
+        additive = torch.zeros(t, keys, dtype=x.dtype, device=x.device)
+        return additive.masked_fill(blocked, -torch.inf)[None, None]  # (1, 1, t, keys)
 
     return build
 
 
-def _value(make: Callable[[torch.Tensor], object]) -> Callable[..., Builder]:
+def _value(make: Callable[[torch.Tensor, int], object]) -> Callable[..., Builder]:
     return lambda head_dim, base, rotary, causal: make
 
 
 _KNOWN: dict[str, Callable[..., Builder]] = {
-    "start_pos": _value(lambda x: 0),
-    "input_pos": _value(lambda x: torch.arange(x.shape[1], device=x.device)),
-    "cache_position": _value(lambda x: torch.arange(x.shape[1], device=x.device)),
-    "position_ids": _value(
-        lambda x: torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-    ),
+    "start_pos": _value(lambda x, start=0: start),
+    "input_pos": _value(_positions),
+    "cache_position": _value(_positions),
+    "position_ids": _value(lambda x, start=0: _positions(x, start).expand(x.shape[0], -1)),
     "freqs_cis": _freqs_cis,
     "position_embeddings": _position_embeddings,
     "mask": _mask,

@@ -52,9 +52,11 @@ class Probe:
             return out.transpose(0, 1) if out.dim() == 3 else out
         return self.call(x)
 
-    def call(self, x: torch.Tensor) -> torch.Tensor:
-        """The module's output for x as given (the first element when it returns a tuple)."""
-        extra = {name: build(x) for name, build in self.extra.items()}
+    def call(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The module's output for x as given (the first element when it returns a tuple);
+        `start`: the position of x's first token, for the arguments the check supplies
+        (a module with its own cache continues from there)."""
+        extra = {name: build(x, start) for name, build in self.extra.items()}
         with user_code():
             out = self.module(x, x, x) if self.takes_qkv else self.module(x, **extra)
         if isinstance(out, tuple | list) and out:

@@ -157,6 +157,7 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     x = probe.inputs(2, tokens, seed)
     with torch.no_grad():
         out = probe(x).double()
+    continued = _continued(probe, x, out)
     x, tol = x.double(), tolerances(probe.dtype)
     named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
     rotated, owned = _rotary_layouts(probe.module, named, why, positions)
@@ -166,6 +167,10 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     elif positions and certain:  # other positions computed without state
         certain, why = False, f"{why}; positions applied in the forward: {positions[0]}"
     match = _first_match(out, x, layouts, causal, tol)
+    if match is not None and match.consistent and continued is not None:
+        split, gap = continued
+        if not _close(out[:, split:], gap, tol):
+            return failed(NAME, TITLE, *_offset_finding(out[:, split:], gap, split))
     if match is not None and match.consistent:
         return passed(NAME, TITLE, f"equal to the reference ({_describe(match)})")
     if match is not None:
@@ -193,6 +198,32 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         "book's listing line by line"
     ]
     return failed(NAME, TITLE, observed, causes)
+
+
+def _continued(probe: Probe, x: torch.Tensor, out: torch.Tensor):
+    """For a module that keeps its own cache and takes the position it continues from
+    (forward(x, start_pos, ...), Meta's Llama): (split, its output for x's tokens from
+    split on, called with start_pos=split after a call on the tokens before); else None."""
+    if "start_pos" not in probe.extra or probe.unbatched or probe.seq_first or x.shape[1] < 2:
+        return None
+    split = x.shape[1] // 2
+    with torch.no_grad():
+        probe.call(x[:, :split], 0)
+        return split, probe.call(x[:, split:], split).double()
+
+
+def _offset_finding(full: torch.Tensor, continued: torch.Tensor, split: int):
+    gap = _gap(continued, full)
+    observed = (
+        f"continuing from position {split} (start_pos={split}, after a call on the tokens "
+        f"before) differs from the full forward by up to {gap:.3g}"
+    )
+    causes = [
+        "the positions do not continue from start_pos: the rotary tables, the cache write or "
+        "the cache read start at 0 instead of start_pos (cache_k[:, start_pos : start_pos + "
+        "seqlen] = xk, then keys = cache_k[:, : start_pos + seqlen])"
+    ]
+    return observed, causes
 
 
 _ROTARY_LAYOUTS = 4  # the best-named layouts tried with each rotary candidate
