@@ -160,7 +160,7 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     continued = _continued(probe, x, out)
     x, tol = x.double(), tolerances(probe.dtype)
     named = sorted(layouts, key=lambda layout: (not layout.consistent, layout.unused))
-    rotated, owned = _rotary_layouts(probe.module, named, why, positions)
+    rotated, owned = _rotary_layouts(probe.module, named, positions)
     if rotated:  # rotary tables or positions: the rotary layouts first
         certain = _accounted(probe.module, layouts, owned)
         layouts, named = rotated + layouts, rotated + named
@@ -229,7 +229,7 @@ def _offset_finding(full: torch.Tensor, continued: torch.Tensor, split: int):
 _ROTARY_LAYOUTS = 4  # the best-named layouts tried with each rotary candidate
 
 
-def _rotary_layouts(module, named, why, positions) -> tuple[list[Layout], list[str]]:
+def _rotary_layouts(module, named, positions) -> tuple[list[Layout], list[str]]:
     """Each of the first layouts with each rotary candidate the module suggests (rotary
     tables among its state, or positions computed in its forward), and the state names the
     candidates account for; nothing when it suggests none."""
@@ -248,9 +248,7 @@ def _accounted(module: nn.Module, layouts: list[Layout], owned: list[str]) -> bo
     """Whether every piece of state outside the projections is a rotary table the rotary
     candidates read (then a rotary layout that fits is certain)."""
     layers = {name for layout in layouts for name in _layer_names(layout)}
-    return all(
-        name in owned for name in _unknown_state(module, [Layer(n, None, None) for n in layers])
-    )
+    return all(name in owned for name in _unknown_state(module, layers))
 
 
 def _layer_names(layout: Layout) -> list[str]:
@@ -435,7 +433,7 @@ def candidate_layouts(module: nn.Module, d_in: int) -> tuple[list[Layout], bool,
     layers = collect_layers(module, d_in)
     if not layers:
         return [], False, "no nn.Linear, Conv1D or 2-d weight parameter to take as projections"
-    extra = _unknown_state(module, layers)
+    extra = _unknown_state(module, {layer.name for layer in layers})
     layouts = _wrapper_layouts(module, layers, d_in) + _flat_layouts(module, layers, d_in)
     if not layouts:
         return [], False, f"no assignment of its {len(layers)} projections fits the widths"
@@ -471,9 +469,9 @@ def _layer(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Layer:
 _MASK_NAMES = ("mask", "bias", "masked_bias", "causal_mask", "attn_mask", "tril", "triu")
 
 
-def _unknown_state(module: nn.Module, layers: list[Layer]) -> list[str]:
-    """Parameters and float buffers outside the projections and mask buffers."""
-    owned = {layer.name for layer in layers}
+def _unknown_state(module: nn.Module, owned: set[str]) -> list[str]:
+    """Parameters and float buffers outside the projections named `owned` and outside mask
+    buffers."""
     names = [n for n, _ in module.named_parameters()]
     names += [n for n, b in module.named_buffers() if b.is_floating_point()]
     return [n for n in names if not _owned(n, owned) and n.split(".")[-1] not in _MASK_NAMES]
