@@ -145,6 +145,8 @@ def forward_cached(model: GPTModel, idx: torch.Tensor, caches, pad=None):
     """Logits of idx's tokens, which follow those the caches hold (one cache per block);
     pad (b,): left-padding tokens per row, masked and not counted as positions."""
     start = caches[0].position
+    if start + idx.shape[1] > model.pos_emb.num_embeddings:  # no crop: the cache holds all
+        raise ValueError(f"{start + idx.shape[1]} tokens exceed the context length")
     pos = torch.arange(start, start + idx.shape[1])  # (t,) absolute positions
     mask = None
     if pad is not None:

@@ -166,6 +166,8 @@ def forward_cached(model: GPT, idx: torch.Tensor, caches, pad: torch.Tensor | No
     """Logits of idx's tokens, which follow those the caches hold (one cache per layer);
     pad (b,): left-padding tokens per row, masked and not counted as positions."""
     start = caches[0].position
+    if start + idx.shape[1] > model.config.block_size:  # no crop: the cache holds all
+        raise ValueError(f"{start + idx.shape[1]} tokens exceed block_size")
     pos = torch.arange(start, start + idx.shape[1])  # (t,) absolute positions
     mask = None
     if pad is not None:

@@ -285,3 +285,12 @@ def test_drawn_sizes_decode_padded_rows_as_alone_and_equal_recomputing(case):
         torch.testing.assert_close(logits[row, pad[row] :], own[0], rtol=1e-4, atol=1e-5)
         want = family.recompute(original, prompt[None], new)
         assert torch.equal(family.example.generate_cached(model, prompt[None], new), want)
+
+
+@pytest.mark.parametrize("name", ["book_gpt", "nanogpt"])
+def test_cached_generation_past_the_context_is_a_value_error(name):
+    family = _family(name)
+    _, model = _pair(family)
+    idx = torch.zeros(1, 60, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceed"):
+        family.example.generate_cached(model.eval(), idx, 10)  # 64 positions

@@ -82,3 +82,44 @@ def test_swap_book_attention_takes_a_readers_own_copy_of_the_class_and_refuses_n
         swap_book_attention(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="holds no attnlab MultiHeadAttention"):
         restore_book_attention(nn.Sequential(nn.Linear(2, 2)))
+
+
+class ChapterMultiHeadAttention(nn.Module):
+    """The chapter's class as the book writes it: neither d_in nor context_length kept, only
+    the mask buffer (written afresh in its style)."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(context_length, context_length), diagonal=1)
+        )
+
+    def forward(self, x):
+        b, num_tokens, _ = x.shape
+        keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        queries = self.W_query(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        attn_scores = queries @ keys.transpose(2, 3)
+        mask_bool = self.mask.bool()[:num_tokens, :num_tokens]
+        attn_scores.masked_fill_(mask_bool, -torch.inf)
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        context_vec = (self.dropout(attn_weights) @ values).transpose(1, 2)
+        return self.out_proj(context_vec.contiguous().view(b, num_tokens, self.d_out))
+
+
+def test_the_chapters_own_class_is_swapped_with_its_sizes_read_from_its_layers():
+    from attnlab.interop import swap_book_attention
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ChapterMultiHeadAttention(8, 8, 16, 0.0, 2, qkv_bias=True))
+    x = torch.randn(2, 5, 8)
+    want = model(x)
+    assert swap_book_attention(model) == 1
+    assert (model[0].d_in, model[0].context_length) == (8, 16)
+    torch.testing.assert_close(model(x), want)

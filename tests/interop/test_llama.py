@@ -39,7 +39,7 @@ def test_rotary_tables_of_another_base_or_a_scaling_are_refused():
     mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1)
     with pytest.raises(ValueError, match="rotary cos table differs from attnlab's rope"):
         model.trf_blocks[0].att(x, mask, cos, sin)
-    with pytest.raises(ValueError, match="another base or a frequency scaling"):
+    with pytest.raises(ValueError, match="another base, a frequency scaling"):
         llama.swap(ex.Llama(CFG), rope_base=10_000.0)
     with pytest.raises(ValueError, match="cos and sin come together"):
         model.trf_blocks[0].att(x, mask, model.cos, None)
@@ -97,5 +97,67 @@ def test_qwen2_style_biases_are_swapped_and_qk_norms_are_refused():
     torch.testing.assert_close(swapped(x, mask, cos, sin), layer(x, mask, cos, sin))
     back = llama.to_llama_state(llama.from_llama_state(layer.state_dict()))
     assert all(torch.equal(back[k], v) for k, v in layer.state_dict().items())
-    with pytest.raises(ValueError, match="holds k_norm, q_norm besides its projections"):
+    with pytest.raises(ValueError, match=r"holds submodule q_norm \(RMSNorm\), submodule k_norm"):
         llama.from_llama_attention(QKNormAttention(32, 32, 4, 2), 16, CFG["rope_base"])
+
+
+class UnparametrizedNorm(ex.GroupedQueryAttention):
+    """q_norm without a weight, its own rotary tables, a learned sink: nothing the swap may
+    drop silently, parameters or not."""
+
+    def __init__(self, kind):
+        super().__init__(32, 32, 4, 2)
+        if kind == "norm":
+            self.q_norm = nn.RMSNorm(self.head_dim, elementwise_affine=False)
+        elif kind == "tables":
+            cos, sin = ex.compute_rope_params(self.head_dim, 10_000.0, 16)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        else:
+            self.sinks = nn.Parameter(torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [("norm", "submodule q_norm"), ("tables", "buffer cos"), ("sink", "parameter sinks")],
+)
+def test_anything_else_a_layer_holds_is_refused_by_name(kind, named):
+    with pytest.raises(ValueError, match=named):
+        llama.from_llama_attention(UnparametrizedNorm(kind), 16, CFG["rope_base"])
+
+
+def test_a_bias_on_some_projections_only_is_refused_by_name():
+    layer = ex.GroupedQueryAttention(32, 32, 4, 2)
+    layer.W_key = nn.Linear(32, 16, bias=True)
+    with pytest.raises(ValueError, match="W_key have a bias and the other"):
+        llama.from_llama_attention(layer, 16, CFG["rope_base"])
+
+
+def test_a_bfloat16_model_swaps_and_runs_its_rounded_tables():
+    """Tables rounded to bfloat16 are the same rope; the swapped model equals the original
+    in bfloat16 within its rounding."""
+    torch.manual_seed(0)
+    original = ex.Llama(CFG).to(torch.bfloat16).eval()
+    model = ex.swapped_copy(ex.Llama(CFG).eval(), CFG)
+    model.load_state_dict(llama.from_llama_state(original.state_dict()))
+    model = model.to(torch.bfloat16)
+    idx = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), original(idx), rtol=0.05, atol=0.05)
+
+
+def test_a_full_size_mask_buffer_is_sliced_as_the_layer_slices_it():
+    """Many from-scratch models pass one (context, context) mask buffer to every call."""
+    _, model = _pair()
+    x = torch.randn(2, 10, CFG["emb_dim"])
+    full = torch.triu(torch.ones(64, 64, dtype=torch.bool), diagonal=1)
+    sliced = full[:10, :10]
+    att = model.trf_blocks[0].att
+    torch.testing.assert_close(
+        att(x, full, model.cos, model.sin), att(x, sliced, model.cos, model.sin)
+    )
+
+
+def test_no_layer_to_swap_is_said_before_anything_else():
+    with pytest.raises(ValueError, match="holds no from-scratch GroupedQueryAttention"):
+        llama.swap(nn.Sequential(nn.Linear(4, 4)), rope_base=10_000.0)

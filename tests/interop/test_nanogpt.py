@@ -66,5 +66,23 @@ def test_refusals_name_what_is_missing():
 def test_a_variant_with_layers_of_its_own_is_refused_not_dropped():
     layer = ex.CausalSelfAttention(ex.GPTConfig())
     layer.q_norm = nn.LayerNorm(8)  # a variant's own layer, which attnlab would not compute
-    with pytest.raises(ValueError, match="holds q_norm besides c_attn and c_proj"):
+    with pytest.raises(
+        ValueError, match=r"holds submodule q_norm \(LayerNorm\) besides c_attn, c_proj"
+    ):
         nanogpt.from_nanogpt_attention(layer, 64)
+
+
+def test_a_variant_with_parameterless_rotary_or_its_own_parameter_is_refused():
+    layer = ex.CausalSelfAttention(ex.GPTConfig())
+    layer.register_buffer("inv_freq", torch.ones(4), persistent=False)  # rotary positions
+    with pytest.raises(ValueError, match="buffer inv_freq"):
+        nanogpt.from_nanogpt_attention(layer, 64)
+    layer = ex.CausalSelfAttention(ex.GPTConfig())
+    layer.temperature = nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match="parameter temperature"):
+        nanogpt.from_nanogpt_attention(layer, 64)
+
+
+def test_no_layer_to_swap_is_said_before_the_missing_config():
+    with pytest.raises(ValueError, match="holds no nanoGPT CausalSelfAttention"):
+        nanogpt.swap(nn.Sequential(nn.Linear(4, 4)))

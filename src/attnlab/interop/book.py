@@ -17,23 +17,26 @@ def from_book(m: nn.Module) -> MultiHeadAttention:
     MultiHeadAttention `m`, giving the same outputs; the inverse of to_book.
 
     Args:
-        m: attnlab.book.MultiHeadAttention, or a class with its layout (d_in, d_out,
-            context_length, num_heads, dropout, W_query, W_key, W_value, out_proj).
+        m: attnlab.book.MultiHeadAttention, or a class with its layout (d_out,
+            num_heads, dropout, W_query, W_key, W_value, out_proj, and a `mask` buffer of
+            context_length rows, as the chapter writes it; d_in and context_length are read
+            from attributes of those names where the class keeps them).
 
     Returns:
         A causal MultiHeadAttention on m's device and dtype.
 
     Raises:
-        TypeError: m lacks one of those attributes (named).
+        TypeError: m lacks one of those attributes (named), or has neither a
+            context_length nor a mask buffer.
     """
-    for name in ("d_in", "d_out", "context_length", "num_heads", "W_query", "dropout"):
+    for name in ("d_out", "num_heads", "W_query", "dropout"):
         if not hasattr(m, name):
             raise TypeError(f"m has no {name!r}: it is not a book MultiHeadAttention")
     weight = m.W_query.weight
     module = MultiHeadAttention(
-        m.d_in,
+        getattr(m, "d_in", m.W_query.in_features),  # the book's own class keeps neither
         m.d_out,
-        m.context_length,
+        getattr(m, "context_length", None) or _mask_length(m),
         m.dropout.p,
         m.num_heads,
         qkv_bias=m.W_query.bias is not None,
@@ -102,8 +105,18 @@ def _per_query_head(rows: torch.Tensor, m: MultiHeadAttention, groups: int) -> t
     return heads.repeat_interleave(groups, dim=0).reshape(m.d_out, *rows.shape[1:])
 
 
-_BOOK_LAYOUT = ("d_in", "d_out", "context_length", "num_heads", "dropout", "W_query", "W_key")
-_BOOK_LAYOUT += ("W_value", "out_proj")
+_BOOK_LAYOUT = ("d_out", "num_heads", "dropout", "W_query", "W_key", "W_value", "out_proj")
+
+
+def _mask_length(m: nn.Module) -> int:
+    """The context length of a book class that keeps only its mask buffer (the chapter's
+    own code stores neither d_in nor context_length)."""
+    mask = getattr(m, "mask", None)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise TypeError(
+            "m has neither a context_length nor a (context_length, context_length) mask"
+        )
+    return mask.shape[-1]
 
 
 def has_book_layout(m: nn.Module) -> bool:

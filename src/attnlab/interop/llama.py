@@ -62,8 +62,10 @@ class GroupedQueryAttention(nn.Module):
 
         Args:
             x: the tokens.
-            mask: the from-scratch mask, True where a key is hidden ((t, t) or broadcastable
-                to the scores); the plain causal one is attnlab's own and is not passed on.
+            mask: the from-scratch mask, True where a key is hidden ((t, t), a square buffer
+                of the context length sliced to (t, t) as the from-scratch layer slices it,
+                or broadcastable to the scores); the plain causal one is attnlab's own and
+                is not passed on.
             cos: the model's rotary cosines (positions, head_dim), checked against attnlab's.
             sin: its sines.
             cache: a KVCache, as MultiHeadAttention's.
@@ -80,6 +82,8 @@ class GroupedQueryAttention(nn.Module):
         the plain causal mask attnlab applies anyway."""
         if mask is None:
             return None
+        if mask.dim() == 2 and mask.shape[0] == mask.shape[1] >= tokens:
+            mask = mask[:tokens, :tokens]  # a (context, context) buffer, sliced as the layer does
         if mask.shape == (tokens, tokens) and torch.equal(
             mask, ~masks.causal_mask(tokens, device=mask.device)
         ):
@@ -110,13 +114,17 @@ def check_tables(attention: MultiHeadAttention, cos: torch.Tensor, sin: torch.Te
             f"rotary tables of shape cos {tuple(cos.shape)}, sin {tuple(sin.shape)}; attnlab's "
             f"rope has head_dim {rope.cos.shape[-1]}"
         )
+    # tables stored in a narrow dtype (a bfloat16 model's buffers) are rounded to it
+    tolerance = max(_TABLE_TOLERANCE, 2 * torch.finfo(cos.dtype).eps)
     for name, theirs, ours in (("cos", cos, rope.cos), ("sin", sin, rope.sin)):
         error = (theirs[:rows].to(ours) - ours[:rows]).abs().max().item()
-        if not error <= _TABLE_TOLERANCE:
+        if not error <= tolerance:
             raise ValueError(
                 f"the model's rotary {name} table differs from attnlab's rope (base "
-                f"{attention.rope_base}) by {error:.2e} on its first {rows} positions: another "
-                f"base or a frequency scaling, which attnlab's rope does not apply"
+                f"{attention.rope_base}) by {error:.2e} on its first {rows} positions "
+                f"(tolerance {tolerance:.1e} for {cos.dtype}): another base, a frequency "
+                f"scaling, or tables that start at another position, none of which "
+                f"attnlab's rope applies"
             )
 
 
@@ -140,21 +148,18 @@ def from_llama_attention(
     for name in ("W_query", "W_key", "W_value", "out_proj", "num_heads", "num_kv_groups"):
         if not hasattr(layer, name):
             raise TypeError(f"layer has no {name!r}: it is not a from-scratch Llama attention")
-    extra = sorted(
-        name
-        for name, child in layer.named_children()
-        if name not in _PROJECTIONS and any(True for _ in child.parameters())
-    )
-    if extra:  # e.g. Qwen3's q_norm / k_norm: attnlab's layer would drop them
-        raise ValueError(
-            f"the layer holds {', '.join(extra)} besides its projections, which attnlab's "
-            f"MultiHeadAttention does not compute: it is not swapped"
-        )
+    _swap.check_nothing_else(layer, _PROJECTIONS)  # Qwen3's q_norm, own tables, sinks
     if layer.out_proj.bias is not None:
         raise ValueError("out_proj has a bias; the from-scratch Llama layout has none")
     weight = layer.W_query.weight
     d_out, d_in = weight.shape
-    qkv_bias = layer.W_query.bias is not None  # Qwen2-style biases on the three
+    biased = [name for name in _PROJECTIONS[:3] if getattr(layer, name).bias is not None]
+    if biased and len(biased) < 3:
+        raise ValueError(
+            f"{', '.join(biased)} have a bias and the other query/key/value projections none: "
+            f"attnlab's fused projection has biases on all three (Qwen2) or none (Llama)"
+        )
+    qkv_bias = bool(biased)  # Qwen2-style biases on the three
     attention = MultiHeadAttention(
         d_in,
         d_out,
@@ -190,6 +195,8 @@ def swap(model: nn.Module, *, rope_base: float, context_length: int | None = Non
     Raises:
         ValueError: the model holds none; tables that are not attnlab's; no context length.
     """
+    if not any(_is_llama_attention(m) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} holds no from-scratch GroupedQueryAttention")
     tables = getattr(model, "cos", None), getattr(model, "sin", None)
     if context_length is None:
         if not isinstance(tables[0], torch.Tensor):

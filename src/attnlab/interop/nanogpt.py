@@ -72,20 +72,13 @@ def from_nanogpt_attention(layer: nn.Module, block_size: int) -> CausalSelfAtten
 
     Raises:
         TypeError: layer lacks one of those attributes (named).
+        ValueError: the layer holds anything else (a norm, rotary positions, a parameter
+            of its own), which the swap would drop.
     """
     for name in ("c_attn", "c_proj", "n_head", "n_embd", "dropout", "resid_dropout"):
         if not hasattr(layer, name):
             raise TypeError(f"layer has no {name!r}: it is not nanoGPT's CausalSelfAttention")
-    extra = sorted(
-        name
-        for name, child in layer.named_children()
-        if name not in ("c_attn", "c_proj") and any(True for _ in child.parameters())
-    )
-    if extra:  # a variant's own layers (rotary, norms): attnlab's would drop them
-        raise ValueError(
-            f"the layer holds {', '.join(extra)} besides c_attn and c_proj, which attnlab's "
-            f"MultiHeadAttention does not compute: it is not swapped"
-        )
+    _swap.check_nothing_else(layer, ("c_attn", "c_proj"), buffers=("bias",))  # its mask
     c_attn, c_proj = layer.c_attn, layer.c_proj
     attention = MultiHeadAttention(
         layer.n_embd,
@@ -119,6 +112,8 @@ def swap(model: nn.Module, block_size: int | None = None) -> int:
     Raises:
         ValueError: the model holds none, or has no config.block_size and none is given.
     """
+    if not any(_is_nanogpt_attention(m) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} holds no nanoGPT CausalSelfAttention")
     if block_size is None:
         block_size = getattr(getattr(model, "config", None), "block_size", None)
     if block_size is None:

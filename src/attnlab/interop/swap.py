@@ -70,3 +70,30 @@ def make_caches(
             f"in first (attnlab.interop.swap_book_attention, nanogpt.swap, llama.swap)"
         )
     return [layer.make_cache(batch_size, max_tokens, dtype=dtype) for layer in layers]
+
+
+def check_nothing_else(
+    layer: nn.Module, children: tuple[str, ...], buffers: tuple[str, ...] = ()
+) -> None:
+    """Raise unless `layer` holds only what a swap carries over: the child modules named
+    `children` and dropouts, the buffers named `buffers` (a causal mask), and no parameter
+    of its own. Anything else (a norm, a rotary module or its tables, a learned sink) the
+    attnlab layer would silently not compute.
+
+    Raises:
+        ValueError: naming what else the layer holds.
+    """
+    extra = [
+        f"submodule {name} ({type(child).__name__})"
+        for name, child in layer.named_children()
+        if name not in children and not isinstance(child, nn.Dropout)
+    ]
+    extra += [f"parameter {name}" for name, _ in layer.named_parameters(recurse=False)]
+    extra += [
+        f"buffer {name}" for name, _ in layer.named_buffers(recurse=False) if name not in buffers
+    ]
+    if extra:
+        raise ValueError(
+            f"the layer holds {', '.join(extra)} besides {', '.join(children)}, which "
+            f"attnlab's MultiHeadAttention does not compute: it is not swapped"
+        )
