@@ -40,6 +40,8 @@ TARGETS = [
     ("forms.py:MinGPTSelfAttention", MINGPT),
     ("forms_hf.py:LlamaAttention", LLAMA),
     ("forms_hf.py:GPT2Attention", {"n_embd": 32, "n_head": 4, "n_positions": 16}),
+    ("forms_hf.py:Gemma2Attention", {**LLAMA, "head_dim": 8}),
+    ("forms_parallel.py:ParallelAttention", {}),
 ]
 
 

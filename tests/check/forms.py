@@ -87,6 +87,7 @@ class FastArgs:
     head_dim: int = 8
     block_size: int = 16
     merge_bug: bool = False
+    tile_bug: bool = False
 
 
 def apply_rotary_emb_real(x, freqs_cis):
@@ -113,7 +114,7 @@ class FastAttention(nn.Module):
         self.kv_cache = None
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.n_local_heads, self.dim = config.n_local_heads, config.dim
-        self.merge_bug = config.merge_bug
+        self.merge_bug, self.tile_bug = config.merge_bug, config.tile_bug
 
     def forward(self, x, freqs_cis, mask, input_pos=None):
         bsz, seqlen, _ = x.shape
@@ -125,9 +126,31 @@ class FastAttention(nn.Module):
         q = apply_rotary_emb_real(q, freqs_cis)
         k = apply_rotary_emb_real(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        group = self.n_head // self.n_local_heads
+        if self.tile_bug:  # the bug: query head h reads key/value head h % n_local_heads
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        else:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
         if not self.merge_bug:
             y = y.transpose(1, 2)
+        y = y.contiguous().view(bsz, seqlen, self.dim)
+        return self.wo(y)
+
+
+class FastMergedWithoutTranspose(FastAttention):
+    """gpt-fast's form with the bug written out: the heads merged straight from (b, heads,
+    tokens, head_dim), a line the source reading points at."""
+
+    def forward(self, x, freqs_cis, mask, input_pos=None):
+        bsz, seqlen, _ = x.shape
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.dim, kv_size, kv_size], dim=-1)
+        q = apply_rotary_emb_real(q.view(bsz, seqlen, self.n_head, self.head_dim), freqs_cis)
+        k = apply_rotary_emb_real(k.view(bsz, seqlen, self.n_head, self.head_dim), freqs_cis)
+        v = v.view(bsz, seqlen, self.n_head, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
         y = y.contiguous().view(bsz, seqlen, self.dim)
         return self.wo(y)
 

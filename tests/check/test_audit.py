@@ -74,9 +74,9 @@ def test_each_bug_fails_the_property_that_catches_it(name):
     [
         ("MissingScale", "scale is missing"),
         ("WrongScale", "1/sqrt(d_out) instead of 1/sqrt(head_dim)"),
-        ("SoftmaxWrongDim", "softmax runs over the queries"),
+        ("SoftmaxWrongDim", "softmax over dim=1"),  # said once: where it is (zoo.py:N)
         ("ViewWithoutTranspose", "no transpose"),
-        ("NoUnderscoreMaskedFill", "causal mask is not applied"),
+        ("NoUnderscoreMaskedFill", "masked_fill without the trailing underscore"),
     ],
 )
 def test_the_reference_names_the_bug_that_fits(name, fits):

@@ -14,6 +14,7 @@ from attnlab import cli
 
 FORMS = str(Path(__file__).with_name("forms.py"))
 FORMS_HF = str(Path(__file__).with_name("forms_hf.py"))  # imports transformers: its own file
+FORMS_PARALLEL = str(Path(__file__).with_name("forms_parallel.py"))  # imports fairscale
 LLAMA_CONFIG = {
     "hidden_size": 32,
     "num_attention_heads": 4,
@@ -24,15 +25,31 @@ LLAMA_CONFIG = {
     "max_position_embeddings": 16,
 }
 GPT2_CONFIG = {"n_embd": 32, "n_head": 4, "n_positions": 16, "n_layer": 1, "vocab_size": 64}
-HF = ("LlamaAttention", "GPT2Attention")
+GEMMA2_CONFIG = {  # a scale (1/sqrt(4)) and a cap that matter at these sizes
+    **LLAMA_CONFIG,
+    "head_dim": 8,
+    "query_pre_attn_scalar": 4,
+    "attn_logit_softcapping": 1.0,
+}
+HF = (
+    "LlamaAttention",
+    "GPT2Attention",
+    "LlamaAttentionDroppingItsCache",
+    "Gemma2Attention",
+    "Gemma2AttentionIgnoringItsCap",
+)
 MINGPT = {"n_embd": 32, "n_head": 4, "block_size": 16, "attn_pdrop": 0.0, "resid_pdrop": 0.0}
 
 
 def _check(capsys, name: str, init: dict) -> tuple[int, dict]:
-    file = FORMS_HF if name in HF else FORMS
-    code = cli.main(["check", f"{file}:{name}", "--init", json.dumps(init), "--json"])
-    report = json.loads(capsys.readouterr().out)
+    code, report = _report(capsys, name, init)
     return code, {result["name"]: result for result in report["results"]}
+
+
+def _report(capsys, name: str, init: dict) -> tuple[int, dict]:
+    file = {"ParallelAttention": FORMS_PARALLEL}.get(name, FORMS_HF if name in HF else FORMS)
+    code = cli.main(["check", f"{file}:{name}", "--init", json.dumps(init), "--json"])
+    return code, json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +60,7 @@ def _check(capsys, name: str, init: dict) -> tuple[int, dict]:
         ("MinGPTSelfAttention", MINGPT),  # an unannotated config read by attribute
         ("LlamaAttention", LLAMA_CONFIG),  # transformers' class, LlamaConfig, layer_idx
         ("GPT2Attention", GPT2_CONFIG),  # unannotated config: its module's GPT2Config
+        ("Gemma2Attention", GEMMA2_CONFIG),  # its declared scale and score cap
     ],
 )
 def test_each_form_is_audited_without_an_adapter(capsys, name, init):
@@ -61,6 +79,7 @@ def test_each_form_is_audited_without_an_adapter(capsys, name, init):
     [
         ("MetaAttention", {"scale_bug": True}, "scale is missing"),
         ("FastAttention", {"merge_bug": True}, "no transpose(1, 2) first"),
+        ("FastAttention", {"n_local_heads": 2, "tile_bug": True}, "shared in the wrong order"),
         ("MetaAttention", {"offset_bug": True}, "do not continue from start_pos"),
     ],
 )
@@ -79,3 +98,63 @@ def test_a_gpt_returning_the_last_logits_alone_is_audited_as_a_model(capsys):
     report = json.loads(capsys.readouterr().out)
     results = {result["name"]: result["status"] for result in report["results"]}
     assert code == 0 and results["runs"] == results["causal"] == "passed", report
+
+
+def test_a_transformers_layer_dropping_its_cache_is_named(capsys):
+    """transformers' attention classes are continued through a DynamicCache given under the
+    cache parameter the installed release names (probed, not assumed): the real
+    LlamaAttention continues (the parametrised pass above), this one does not."""
+    pytest.importorskip("transformers")
+    code, results = _check(capsys, "LlamaAttentionDroppingItsCache", LLAMA_CONFIG)
+    reference = results["reference"]
+    assert code == 1 and "DynamicCache as cache" in reference["observed"], reference
+    assert "cached keys and values are not attended" in reference["causes"][0]
+
+
+def test_a_transformers_layer_dropping_its_declared_cap_is_named(capsys):
+    """A transformers class is held to the scale and cap its config declares (Gemma 2's
+    query_pre_attn_scalar and attn_logit_softcapping): a copy that drops the cap fails."""
+    pytest.importorskip("transformers")
+    code, results = _check(capsys, "Gemma2AttentionIgnoringItsCap", GEMMA2_CONFIG)
+    reference = results["reference"]
+    assert code == 1 and "scores capped at 1" in reference["observed"], reference
+    assert "the scores are not capped" in reference["causes"][0], reference["causes"]
+
+
+def test_a_file_of_an_installed_package_is_imported_by_its_name(capsys):
+    """transformers' own modeling file, given by path as a user finds it: its relative
+    imports resolve (imported as transformers.models.gpt2.modeling_gpt2)."""
+    modeling = pytest.importorskip("transformers.models.gpt2.modeling_gpt2")
+    target = f"{modeling.__file__}:GPT2Attention"
+    code = cli.main(["check", target, "--init", json.dumps(GPT2_CONFIG), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    results = {result["name"]: result for result in report["results"]}
+    assert code == 0 and results["reference"]["status"] == "passed", results["reference"]
+
+
+def test_the_merge_bug_is_named_once_with_its_line(capsys):
+    """The located source cause and the reference's fitted bug are one cause: said once."""
+    _, results = _check(capsys, "FastMergedWithoutTranspose", {})
+    causes = results["reference"]["causes"]
+    assert len(causes) == 1 and "forms.py:" in causes[0], causes
+    assert results["causal"]["causes"][0] == causes[0], results["causal"]["causes"]
+
+
+def test_model_parallel_layers_on_one_process(capsys):
+    """Meta's form on fairscale's ColumnParallelLinear/RowParallelLinear: the check makes a
+    one-process group (the constructor asserts one exists), fills the weights that
+    init_method=identity leaves as uninitialised memory, and audits the layer; the report
+    says both."""
+    pytest.importorskip("fairscale")
+    code, report = _report(capsys, "ParallelAttention", {})
+    results = {result["name"]: result for result in report["results"]}
+    assert code == 0, results
+    assert "4 heads" in results["reference"]["observed"], results["reference"]["observed"]
+    setup = " ".join(report["setup"])
+    assert "model-parallel group" in setup and "wq.weight, wk.weight, wv.weight" in setup
+
+
+def test_a_scale_bug_on_model_parallel_layers_is_named_first(capsys):
+    pytest.importorskip("fairscale")
+    code, results = _check(capsys, "ParallelAttention", {"scale_bug": True})
+    assert code == 1 and "scale is missing" in results["reference"]["causes"][0]

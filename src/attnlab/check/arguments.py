@@ -10,8 +10,10 @@ position of its first token (0, or the tokens a module's own cache holds before 
 - position_ids: arange(tokens) per row;
 - freqs_cis (Meta's Llama: complex (tokens, head_dim/2); gpt-fast: real (tokens,
   head_dim/2, 2), tried second): rotary tables of base 10000 or the module's rope_theta;
-- position_embeddings (transformers' attention classes): (cos, sin), each (batch, tokens,
-  head_dim), halves rotated, of the config's rope_theta;
+- position_embeddings (transformers' attention classes): (cos, sin) from the model's own
+  `...RotaryEmbedding` class built from the module's config (partial widths and rope
+  scaling as the model has them); else each (batch, tokens, head_dim), halves rotated, of
+  the config's rope_theta;
 - mask, attn_mask, attention_mask: the causal mask as an additive float (1, 1, tokens,
   tokens), 0 where a query may attend and -inf elsewhere (added to the scores, or given to
   SDPA, both read it so); all zeros in an audit with causal=False.
@@ -24,6 +26,7 @@ leaves the module called with x alone (its error is then the audit's finding).
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 
 import torch
@@ -46,12 +49,55 @@ def builders(module: nn.Module, head_dim: int | None, causal: bool) -> list[dict
     if head_dim is None and {"freqs_cis", "position_embeddings"} & set(names):
         return [{}]  # tables of an unknown width: called with x alone
     base = _rope_base(module)
+    own = _models_own_rotary(module) if "position_embeddings" in names else None
     forms = []
     for rotary in ("complex", "real"):
         forms.append({name: _KNOWN[name](head_dim, base, rotary, causal) for name in names})
+        if own is not None:
+            forms[-1]["position_embeddings"] = own
         if "freqs_cis" not in names:
             break
     return forms
+
+
+def _models_own_rotary(module: nn.Module) -> Builder | None:
+    """position_embeddings made by the model's own rotary class, as its model makes them:
+    the `...RotaryEmbedding` of the modeling file of the module's class or, for a subclass
+    written elsewhere, of the nearest base class whose file has one, built from the module's
+    config (partial rotary widths, rope scaling and bases as the model has them); None when
+    there is no such class or it does not build and run so."""
+    config = getattr(module, "config", None)
+    rotary_class = _rotary_class(type(module))
+    if config is None or rotary_class is None:
+        return None
+    try:
+        rotary = rotary_class(config=config)
+        probe = torch.zeros(1, 2, 1)
+        cos, sin = rotary(probe, torch.arange(2)[None])
+    except Exception:  # another signature: the check's own tables
+        return None
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        return None
+
+    def build(x, start=0):
+        positions = _positions(x, start).expand(x.shape[0], -1)  # (b, t)
+        with torch.no_grad():
+            cos, sin = rotary(x, positions)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    return build
+
+
+def _rotary_class(cls: type) -> type | None:
+    """The single `...RotaryEmbedding` class of the nearest modeling file in cls's MRO."""
+    for base in cls.__mro__:
+        modeling = sys.modules.get(base.__module__)
+        names = [n for n in dir(modeling) if n.endswith("RotaryEmbedding")] if modeling else []
+        if len(names) == 1:
+            return getattr(modeling, names[0])
+        if names:
+            return None  # several: which one the model uses is not known
+    return None
 
 
 def supplies(names: list[str]) -> bool:

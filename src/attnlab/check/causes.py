@@ -76,8 +76,14 @@ def _outside(cls: type) -> bool:
 
 
 def explain(suspects: list[Suspect], kinds: tuple[str, ...]) -> list[str]:
-    """The sentences of the suspects of those kinds, in the order of `kinds`."""
-    return [str(s) for kind in kinds for s in suspects if s.kind == kind]
+    """The sentences of the suspects of those kinds, in the order of `kinds`; one sentence
+    found on several lines is said once, with every line: "... (model.py:12, 13, 14)"."""
+    lines: dict[tuple[str, str], list[int]] = {}  # (text, file) -> lines, in first-seen order
+    for kind in kinds:
+        for suspect in suspects:
+            if suspect.kind == kind:
+                lines.setdefault((suspect.text, suspect.file), []).append(suspect.line)
+    return [f"{text} ({file}:{', '.join(map(str, at))})" for (text, file), at in lines.items()]
 
 
 def has(suspects: list[Suspect], kind: str) -> bool:

@@ -14,12 +14,14 @@ import inspect
 import json
 import sys
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from attnlab.check import model_parallel, weights
+from attnlab.check.report import joined
 from attnlab.check.runner import user_code
 
 
@@ -94,16 +96,47 @@ def bind(cls: type, args: list, kwargs: dict) -> dict:
     return dict(bound.arguments)
 
 
-def factory_of(cls: type[nn.Module], args: list, kwargs: dict) -> Callable[[], nn.Module]:
-    """A function building a new instance; what the constructor raises is the module's.
-    On a machine without CUDA, `.cuda()` in the constructor (a cache allocated on the GPU,
-    as reference implementations do) leaves the tensor or module on the CPU."""
+class Factory:
+    """Builds new instances of the audited class; what the constructor raises is the
+    module's. Around the constructor:
 
-    def factory() -> nn.Module:
+    - on a machine without CUDA, `.cuda()` (a cache allocated on the GPU, as reference
+      implementations do) leaves the tensor or module on the CPU;
+    - a file that imported fairscale's model parallelism gets a one-process group;
+    - matrix weights left unset (not set from the seed, so different at a second build from
+      the same random state, or non-finite, huge or all zero: weights) are filled from
+      `seed`.
+
+    `setup` says, a line each, what was done for the audit to run (read by the report).
+    """
+
+    def __init__(self, cls: type[nn.Module], args: list, kwargs: dict, seed: int = 0):
+        self.cls, self.args, self.kwargs, self.seed = cls, args, kwargs, seed
+        self.setup: list[str] = []
+        self._unseeded: set[str] | None = None  # known after the first build
+
+    def __call__(self) -> nn.Module:
+        group = model_parallel.prepare()
+        state = torch.random.get_rng_state()
+        module = self._build()
+        if self._unseeded is None:  # a twin from the same state: what the seed does not set
+            after = torch.random.get_rng_state()
+            torch.random.set_rng_state(state)
+            self._unseeded = weights.unseeded(module, self._build())
+            torch.random.set_rng_state(after)
+        filled = weights.fill_unset(module, self.seed, self._unseeded)
+        if group:
+            self.setup.append(group)
+        if filled and not any(line.startswith(_FILLED) for line in self.setup):
+            self.setup.append(f"{_FILLED} {joined(filled, 6)}, filled from the seed")
+        return module
+
+    def _build(self) -> nn.Module:
         with user_code(), _cuda_on_cpu():
-            return cls(*args, **kwargs)
+            return self.cls(*self.args, **self.kwargs)
 
-    return factory
+
+_FILLED = "weights the constructor leaves unset (not from the seed, NaN, huge or zero):"
 
 
 @contextlib.contextmanager
@@ -144,7 +177,8 @@ def adapt_init(cls: type, args: list, kwargs: dict) -> tuple[list, dict, list[st
       it built from the JSON object: the parameter's annotated class called with its
       fields (a dataclass, a transformers config), else a ConfigDict; an object whose keys
       are not constructor parameters is taken as that configuration whole;
-    - a required layer index (layer_idx, layer_id, ...) not given is 0.
+    - a layer index (layer_idx, layer_id, ...) not given, required or defaulting to None,
+      is 0 (a cache is indexed by it).
     """
     try:
         parameters = dict(inspect.signature(cls).parameters)
@@ -159,10 +193,10 @@ def adapt_init(cls: type, args: list, kwargs: dict) -> tuple[list, dict, list[st
         kwargs[config_name], built = _config(cls, config_name, kwargs[config_name])
         notes.append(f"{config_name} built from --init as {built}")
     for name, parameter in list(parameters.items())[len(args) :]:
-        required = parameter.default is inspect.Parameter.empty
-        if name in _LAYER_INDEX_NAMES and required and name not in kwargs:
-            kwargs[name] = 0
-            notes.append(f"{name}=0 (a required layer index not given)")
+        unset = parameter.default is inspect.Parameter.empty or parameter.default is None
+        if name in _LAYER_INDEX_NAMES and unset and name not in kwargs:
+            kwargs[name] = 0  # a cache is indexed by it: transformers' classes default to None
+            notes.append(f"{name}=0 (a layer index not given)")
     return args, kwargs, notes
 
 
@@ -181,14 +215,23 @@ def _module_config_class(cls: type) -> type | None:
     return None
 
 
+def _config_class(cls: type, name: str) -> type | None:
+    """The class parameter `name` is annotated with, or the one its module holds, in the
+    nearest class of cls's MRO that says (a subclass written elsewhere takes its base's)."""
+    for base in cls.__mro__[:-1]:  # object says nothing
+        try:
+            annotation = typing.get_type_hints(base.__init__).get(name)
+        except Exception:  # unresolvable string annotations: no class to build
+            annotation = None
+        found = annotation if isinstance(annotation, type) else _module_config_class(base)
+        if found is not None:
+            return found
+    return None
+
+
 def _config(cls: type, name: str, fields: dict) -> tuple[object, str]:
     """The configuration object for parameter `name` from --init's fields, and its kind."""
-    try:
-        annotation = typing.get_type_hints(cls.__init__).get(name)
-    except Exception:  # unresolvable string annotations: no class to build
-        annotation = None
-    if not isinstance(annotation, type):
-        annotation = _module_config_class(cls)
+    annotation = _config_class(cls, name)
     if isinstance(annotation, type) and annotation not in (dict, object):
         try:
             with user_code():
@@ -199,7 +242,7 @@ def _config(cls: type, name: str, fields: dict) -> tuple[object, str]:
 
 
 _SIZES = {
-    "d_in": ("d_in", "embed_dim", "d_model", "n_embd", "hidden_size"),
+    "d_in": ("d_in", "embed_dim", "d_model", "n_embd", "hidden_size", "dim"),
     "context_length": (
         "context_length",
         "block_size",
@@ -212,22 +255,54 @@ _SIZES = {
 
 
 def sizes_from_init(arguments: dict) -> dict[str, int]:
-    """d_in, context_length and num_heads where the constructor's arguments name them
-    (a nested `cfg`/`config` dict too, as the book's GPTModel(cfg) takes)."""
+    """d_in, context_length and num_heads where the constructor's arguments name them, or
+    the configuration it takes does (a `cfg`/`config`/`args`... dict, as the book's
+    GPTModel(cfg) takes, or object: a dataclass such as Meta's ModelArgs, an HF config)."""
     found: dict[str, int] = {}
-    nested = [v for k, v in arguments.items() if k in ("cfg", "config") and isinstance(v, dict)]
+    nested = [v for k, v in arguments.items() if k in _CONFIG_NAMES and v is not None]
     for source in (arguments, *nested):
         for size, names in _SIZES.items():
             for name in names:
-                value = source.get(name)
+                value = (
+                    source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+                )
                 ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
                 if ok and size not in found:
                     found[size] = value
     return found
 
 
+def _package_name(file: Path) -> str | None:
+    """The dotted name a file of a package on sys.path (every folder between with an
+    __init__.py) imports as, when that name imports this very file; else None."""
+    if not (file.parent / "__init__.py").is_file():
+        return None
+    for entry in sys.path:
+        root = Path(entry or ".").resolve()
+        if root in file.parents and all(
+            (folder / "__init__.py").is_file()
+            for folder in file.parents
+            if folder != root and root in folder.parents
+        ):
+            parts = file.relative_to(root).with_suffix("").parts
+            spec = importlib.util.find_spec(parts[0])
+            if (
+                spec is not None
+                and spec.origin
+                and Path(spec.origin).resolve().parent == root / parts[0]
+            ):
+                return ".".join(parts)
+    return None
+
+
 def _import(file: Path):
-    """Import a file as a module, with its folder on sys.path for its own imports."""
+    """Import a file as a module: a file of an importable package (transformers'
+    modeling_llama.py, with its relative imports) by its dotted name, any other with its
+    folder on sys.path for its own imports."""
+    dotted = _package_name(file.resolve())
+    if dotted is not None:
+        with user_code():
+            return importlib.import_module(dotted)
     folder = str(file.resolve().parent)
     spec = importlib.util.spec_from_file_location(f"attnlab_check_{file.stem}", file)
     if spec is None or spec.loader is None:

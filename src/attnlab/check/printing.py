@@ -29,6 +29,8 @@ def print_report(
     """
     console = console or Console()
     console.print(f"note: {escape(NOTE)}.", highlight=False)
+    for line in report.setup:
+        console.print(f"set up: {escape(line)}", highlight=False)
     table = Table(title=escape(_title(report)), show_lines=True)
     table.add_column("property")
     table.add_column("result")

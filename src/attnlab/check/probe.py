@@ -52,11 +52,12 @@ class Probe:
             return out.transpose(0, 1) if out.dim() == 3 else out
         return self.call(x)
 
-    def call(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def call(self, x: torch.Tensor, start: int = 0, **given: object) -> torch.Tensor:
         """The module's output for x as given (the first element when it returns a tuple);
         `start`: the position of x's first token, for the arguments the check supplies
-        (a module with its own cache continues from there)."""
-        extra = {name: build(x, start) for name, build in self.extra.items()}
+        (a module with its own cache continues from there); `given`: more keyword
+        arguments (a cache object)."""
+        extra = {name: build(x, start) for name, build in self.extra.items()} | given
         with user_code():
             out = self.module(x, x, x) if self.takes_qkv else self.module(x, **extra)
         if isinstance(out, tuple | list) and out:
@@ -198,13 +199,31 @@ def _width_of(part: nn.Module) -> int | None:
     weight = getattr(part, "in_proj_weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return weight.shape[1]
-    return _in_width(part) if isinstance(part, nn.Linear) or _is_conv1d(part) else None
+    linear = isinstance(part, nn.Linear) or _is_conv1d(part) or is_linear_like(part)
+    return _in_width(part) if linear else None
 
 
 def _is_conv1d(part: object) -> bool:
     """transformers' Conv1D (GPT-2): a linear layer with an (in, out) weight."""
     weight = getattr(part, "weight", None)
     return type(part).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
+
+
+def is_linear_like(part: object) -> bool:
+    """A module that is not an nn.Linear but computes one: an (out, in) 2-d weight beside
+    integer in_features/out_features (fairscale's and Megatron-style ColumnParallelLinear
+    and RowParallelLinear on one process)."""
+    weight = getattr(part, "weight", None)
+    in_features = getattr(part, "in_features", None)
+    return (
+        isinstance(part, nn.Module)
+        and not isinstance(part, nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and isinstance(in_features, int)
+        and isinstance(getattr(part, "out_features", None), int)
+        and weight.shape[1] == in_features
+    )
 
 
 _LENGTHS = (
@@ -252,7 +271,7 @@ def is_causal_mask(tensor: torch.Tensor) -> bool:
 
 
 def _in_width(layer: object) -> int | None:
-    if isinstance(layer, nn.Linear):
+    if isinstance(layer, nn.Linear) or is_linear_like(layer):
         return layer.in_features
     if _is_conv1d(layer) and layer.weight.dim() == 2:
         return layer.weight.shape[0]  # Conv1D's weight is (in, out)

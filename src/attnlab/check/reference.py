@@ -31,10 +31,11 @@ from torch import nn
 
 from attnlab.check import causes as source
 from attnlab.check import rotary
-from attnlab.check.probe import Probe
+from attnlab.check.probe import Probe, is_linear_like
 from attnlab.check.properties import tolerances
 from attnlab.check.report import PropertyResult, failed, joined, passed, skipped
 from attnlab.check.rotary import Rotary
+from attnlab.check.runner import describe
 from attnlab.heads import repeat_kv
 
 NAME, TITLE = "reference", "equals the reference computation with the same weights"
@@ -65,6 +66,11 @@ BUGS = {
     "queries only (both must be rotated for the scores to depend on relative positions)",
     "queries_not_rotated": "the queries are not rotated: rotary positions are applied to the "
     "keys only",
+    "kv_heads_tiled": "the key/value heads are shared in the wrong order: repeat(1, groups, "
+    "1, 1) gives query head h the key/value head h % num_kv_heads; each group of adjacent "
+    "query heads shares one (repeat_interleave(groups, dim=1), head h // groups)",
+    "softcap_missing": "the scores are not capped: the config declares "
+    "attn_logit_softcapping, and the layer never applies softcap * tanh(scores / softcap)",
 }
 _ROTARY_BUGS = ("keys_not_rotated", "queries_not_rotated")
 # masks that hide a whole row, tried with both fills (-inf, and a finite minimum: "_finite")
@@ -80,6 +86,8 @@ _POINTERS = {
     "mask_offset": ("mask_offset",),
     "inverted_mask": ("sdpa_inverted_mask",),
 }
+# a bug whose source pointer names only part of it (the split, or the merge)
+_BROADER_THAN_LINE = ("view_no_transpose",)
 _MASK_BUGS = (
     "no_mask",
     "mask_diagonal",
@@ -132,6 +140,8 @@ class Layout:
     misnamed: list[str] = field(default_factory=list)  # why the names disagree
     unused: int = 0  # projection layers the layout leaves out
     rotary: Rotary | None = None  # rotary positions on queries and keys (check.rotary)
+    scale: float | None = None  # a declared score scale other than 1/sqrt(head_dim)
+    softcap: float | None = None  # scores capped as softcap * tanh(scores / softcap)
 
 
 def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> PropertyResult:
@@ -150,6 +160,7 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
     layouts, certain, why = candidate_layouts(probe.module, probe.d_in)
     if not layouts:
         return skipped(NAME, TITLE, why)
+    layouts = [replace(layout, **_declared_scores(probe.module)) for layout in layouts]
     suspects = source.find_suspects(probe.module)
     positions = source.explain(suspects, ("uses_positions",))
     if {"freqs_cis", "position_embeddings"} & set(probe.extra):
@@ -168,9 +179,9 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         certain, why = False, f"{why}; positions applied in the forward: {positions[0]}"
     match = _first_match(out, x, layouts, causal, tol)
     if match is not None and match.consistent and continued is not None:
-        split, gap = continued
-        if not _close(out[:, split:], gap, tol):
-            return failed(NAME, TITLE, *_offset_finding(out[:, split:], gap, split))
+        split, gap, how = continued
+        if isinstance(gap, Exception) or not _close(out[:, split:], gap, tol):
+            return failed(NAME, TITLE, *_offset_finding(out[:, split:], gap, split, how))
     if match is not None and match.consistent:
         return passed(NAME, TITLE, f"equal to the reference ({_describe(match)})")
     if match is not None:
@@ -201,29 +212,69 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
 
 
 def _continued(probe: Probe, x: torch.Tensor, out: torch.Tensor):
-    """For a module that keeps its own cache and takes the position it continues from
-    (forward(x, start_pos, ...), Meta's Llama): (split, its output for x's tokens from
-    split on, called with start_pos=split after a call on the tokens before); else None."""
-    if "start_pos" not in probe.extra or probe.unbatched or probe.seq_first or x.shape[1] < 2:
+    """For a module that continues from a position: (split, its output for x's tokens from
+    split on, called after a call on the tokens before, how it was continued); else None.
+    Two kinds continue: a layer keeping its own cache and taking the position it continues
+    from (forward(x, start_pos, ...), Meta's Llama), and a transformers attention class
+    given a cache object (its forward's cache parameter, found by probing the signature:
+    `cache` in transformers 5.24, `past_key_values` before), a new DynamicCache."""
+    if probe.unbatched or probe.seq_first or x.shape[1] < 2:
+        return None
+    cache_name = _transformers_cache_argument(probe.module)
+    if "start_pos" not in probe.extra and cache_name is None:
         return None
     split = x.shape[1] // 2
+    given, how = {}, "start_pos"
+    if cache_name is not None:
+        given, how = {cache_name: _new_cache(probe.module)}, f"a DynamicCache as {cache_name}"
     with torch.no_grad():
-        probe.call(x[:, :split], 0)
-        return split, probe.call(x[:, split:], split).double()
+        probe.call(x[:, :split].contiguous(), 0, **given)
+        try:
+            continued = probe.call(x[:, split:].contiguous(), split, **given).double()
+        except Exception as error:  # a continuation the layer cannot run is the finding
+            continued = error
+    return split, continued, how
 
 
-def _offset_finding(full: torch.Tensor, continued: torch.Tensor, split: int):
-    gap = _gap(continued, full)
-    observed = (
-        f"continuing from position {split} (start_pos={split}, after a call on the tokens "
-        f"before) differs from the full forward by up to {gap:.3g}"
-    )
-    causes = [
-        "the positions do not continue from start_pos: the rotary tables, the cache write or "
-        "the cache read start at 0 instead of start_pos (cache_k[:, start_pos : start_pos + "
-        "seqlen] = xk, then keys = cache_k[:, : start_pos + seqlen])"
-    ]
-    return observed, causes
+def _transformers_cache_argument(module: nn.Module) -> str | None:
+    """The cache parameter of a transformers attention class's forward, else None."""
+    from attnlab.check.model import find_cache_argument  # the whole-model audit's probe
+
+    from_transformers = any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
+    return find_cache_argument(module) if from_transformers else None
+
+
+def _new_cache(module: nn.Module) -> object:
+    from transformers import DynamicCache  # a transformers class's own: installed
+
+    try:
+        return DynamicCache(config=module.config)
+    except (TypeError, AttributeError):  # releases whose DynamicCache takes no config
+        return DynamicCache()
+
+
+def _offset_finding(full: torch.Tensor, continued, split: int, how: str):
+    """(observed, causes) for a continuation that differs from the full forward, or raised
+    (continued is then the exception)."""
+    if how == "start_pos":
+        observed = f"continuing from position {split} (start_pos={split}"
+        cause = (
+            "the positions do not continue from start_pos: the rotary tables, the cache "
+            "write or the cache read start at 0 instead of start_pos (cache_k[:, start_pos "
+            ": start_pos + seqlen] = xk, then keys = cache_k[:, : start_pos + seqlen])"
+        )
+    else:
+        observed = f"continuing from position {split} ({how}"
+        cause = (
+            "the cached keys and values are not attended: the layer does not pass its keys "
+            "and values through the cache's update() and attend to what it returns"
+        )
+    observed += ", after a call on the tokens before) "
+    if isinstance(continued, Exception):
+        observed += f"raised {describe(continued)}"
+    else:
+        observed += f"differs from the full forward by up to {_gap(continued, full):.3g}"
+    return observed, [cause]
 
 
 _ROTARY_LAYOUTS = 4  # the best-named layouts tried with each rotary candidate
@@ -257,8 +308,30 @@ def _layer_names(layout: Layout) -> list[str]:
     return [part.split("[")[0] for name in names for part in name.split("+")]
 
 
+def _declared_scores(module: nn.Module) -> dict:
+    """The score scale and softcap a transformers attention class declares from its config
+    (`scaling`: Gemma 2's query_pre_attn_scalar, Granite's attention_multiplier;
+    `attn_logit_softcapping`), taken as the model's design; other modules are held to
+    1/sqrt(head_dim) with no cap, so that a wrong `self.scale` is still a bug."""
+    if not any(c.__module__.startswith("transformers.") for c in type(module).__mro__):
+        return {}
+    scaling = getattr(module, "scaling", None)
+    softcap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    declared = {}
+    if isinstance(scaling, float) and scaling > 0:
+        declared["scale"] = scaling
+    if isinstance(softcap, (int, float)) and softcap > 0:
+        declared["softcap"] = float(softcap)
+    return declared
+
+
 def _describe(layout: Layout) -> str:
     what = layout.what if layout.rotary is None else f"{layout.what}, {layout.rotary}"
+    group = layout.groups[0]
+    if layout.scale is not None and layout.scale != (group.q.width // group.num_heads) ** -0.5:
+        what += f", scale {layout.scale:.4g} as the layer declares (its `scaling`)"
+    if layout.softcap is not None:
+        what += f", scores capped at {layout.softcap:g} (its config's attn_logit_softcapping)"
     if layout.window is None:
         return what
     keys = layout.window - 1
@@ -304,14 +377,17 @@ def _fitting_bugs(out, x, layouts, causal, tol, suspects) -> tuple[list[str], La
                 continue
             if variant in _ROTARY_BUGS and layout.rotary is None:
                 continue
+            if variant == "softcap_missing" and layout.softcap is None:
+                continue
             try:
                 candidate = reference(x, layout, causal, variant)
             except RuntimeError:  # a variant that does not fit these shapes
                 continue
             if not _close(candidate, expected, tol) and _close(out, candidate, tol):
-                pointers = _POINTERS.get(_family(variant), ())
-                fits += source.explain(suspects, pointers)  # the line first
-                fits.append(explanation)
+                located = source.explain(suspects, _POINTERS.get(_family(variant), ()))
+                fits += located  # the line first: the same cause, where it is
+                if not located or _family(variant) in _BROADER_THAN_LINE:
+                    fits.append(explanation)
         if fits:
             return fits, layout
     return fits, None
@@ -346,17 +422,13 @@ def reference(
 ) -> torch.Tensor:
     """The attention of x (b, t, d_in) in `layout`, with one classic bug when `variant`
     names one (a key of BUGS)."""
-    groups = layout.groups
-    out = torch.cat(
-        [_attend(x, g, causal, variant, layout.window, layout.rotary) for g in groups], -1
-    )
+    out = torch.cat([_attend(x, group, causal, variant, layout) for group in layout.groups], -1)
     return out if layout.out is None else _linear(out, layout.out)
 
 
-def _attend(
-    x, p: Projections, causal: bool, variant: str, window: int | None, rope: Rotary | None
-) -> torch.Tensor:
+def _attend(x, p: Projections, causal: bool, variant: str, layout: Layout) -> torch.Tensor:
     b, t, _ = x.shape
+    rope, window = layout.rotary, layout.window
     q, k, v = _linear(x, p.q), _linear(x, p.k), _linear(x, p.v)  # (b, t, width)
     head_dim = q.shape[-1] // p.num_heads
     q = _heads(q, p.num_heads, variant)  # (b, h, t, hd)
@@ -365,16 +437,21 @@ def _attend(
         q = q if variant == "queries_not_rotated" else rope.apply(q)
         k = k if variant == "keys_not_rotated" else rope.apply(k)
     groups = p.num_heads // p.num_kv_heads
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (b, h, t, .)
+    if variant == "kv_heads_tiled":  # query head h reads key/value head h % num_kv_heads
+        k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)  # (b, h, t, .)
+    else:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (b, h, t, .)
     scale = {
         "no_scale": 1.0,
         "scale_d_out": (head_dim * p.num_heads) ** -0.5,
         "scale_by_d_out": 1.0 / (head_dim * p.num_heads),
         "scale_by_head_dim": 1.0 / head_dim,
-    }.get(variant, head_dim**-0.5)
+    }.get(variant, head_dim**-0.5 if layout.scale is None else layout.scale)
     scores = q @ k.transpose(-2, -1)  # (b, h, t, t)
     if variant != "scale_after_softmax":
         scores = scores * scale
+    if layout.softcap is not None and variant != "softcap_missing":
+        scores = layout.softcap * torch.tanh(scores / layout.softcap)
     if causal and variant != "no_mask":
         # a row masked whole: -inf gives NaN (attnlab's reference: zeros), a finite minimum
         # (torch.finfo(dtype).min, as GPT-NeoX and HF write the mask) a uniform row
@@ -445,12 +522,12 @@ def candidate_layouts(module: nn.Module, d_in: int) -> tuple[list[Layout], bool,
 
 
 def collect_layers(module: nn.Module, d_in: int) -> list[Layer]:
-    """Every nn.Linear, Conv1D ((in, out) weight) and 2-d parameter (used as x @ W) in
-    registration order, as (out, in) float64 layers."""
+    """Every nn.Linear (or module computing one: probe.is_linear_like), Conv1D ((in, out)
+    weight) and 2-d parameter (used as x @ W) in registration order, as (out, in) float64 layers."""
     layers = []
     for path, sub in module.named_modules():
-        if isinstance(sub, nn.Linear):
-            layers.append(_layer(path, sub.weight, sub.bias))
+        if isinstance(sub, nn.Linear) or is_linear_like(sub):
+            layers.append(_layer(path, sub.weight, getattr(sub, "bias", None)))
         elif type(sub).__name__ == "Conv1D" and getattr(sub, "weight", None) is not None:
             layers.append(_layer(path, sub.weight.T, getattr(sub, "bias", None)))
         else:
@@ -530,7 +607,15 @@ def _flat_layouts(module: nn.Module, layers: list[Layer], d_in: int) -> list[Lay
     kv_heads = _int_attribute(module, _KV_ATTRIBUTES)
     layouts = []
     for (q, k, v), used, shape, laid_out in _qkv_sources(layers, d_in):
-        for h, g in _head_counts(q.width, k.width, v.width, heads, kv_heads):
+        widths = (q.width, k.width, v.width)
+        # a declared count the widths refuse (a config field the layer ignores: GPT-2 built
+        # from a config naming num_key_value_heads) is dropped, the key/value count first
+        counts = (
+            _head_counts(*widths, heads, kv_heads)
+            or _head_counts(*widths, heads, None)
+            or _head_counts(*widths, None, None)
+        )
+        for h, g in counts:
             if laid_out is not None and (h, g) != (laid_out, laid_out):
                 continue  # rows laid out per head: only that head count
             width = v.width // g * h

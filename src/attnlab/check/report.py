@@ -40,6 +40,7 @@ class AuditReport:
     kind: str = "attention"  # or "model": token ids in, logits out
     vocab_size: int | None = None  # a model's
     incomplete: str | None = None  # why the audit could not finish, when it could not
+    setup: list[str] = field(default_factory=list)  # what the check did to build and call it
 
     @property
     def ok(self) -> bool:

@@ -23,10 +23,10 @@ import torch
 from attnlab.check import attention_steps, finish, plan, source_files
 from attnlab.check import model as model_audit
 from attnlab.check.loader import (
+    Factory,
     LoadError,
     adapt_init,
     bind,
-    factory_of,
     load_class,
     parse_init,
     parse_target,
@@ -69,11 +69,12 @@ def run_job(job: dict, emit: Emit) -> None:
     emit("start", name="load", title=LOAD_TITLE)
     try:
         cls = load_class(file, name)
-        args, kwargs, _ = adapt_init(cls, args, kwargs)
+        args, kwargs, adapted = adapt_init(cls, args, kwargs)
         sizes = sizes_from_init(bind(cls, args, kwargs))
-        factory = factory_of(cls, args, kwargs)
+        factory = Factory(cls, args, kwargs, job["seed"])
         torch.manual_seed(job["seed"])  # the same weights, the same report, every run
         module = factory()
+        setup = [*adapted, *factory.setup]
         is_model = job["model"] or model_audit.takes_token_ids(module)
     except LoadError:
         raise
@@ -84,32 +85,35 @@ def run_job(job: dict, emit: Emit) -> None:
         return
     files = [str(file), *source_files(module)]
     if is_model:
-        _audit_model(module, name, job, sizes, files, emit)
+        _audit_model(module, name, job, sizes, setup, files, emit)
     else:
-        _audit_attention(module, name, job, sizes, factory, files, emit)
+        _audit_attention(module, name, job, sizes, setup, factory, files, emit)
 
 
 LOAD_TITLE = "the file imports and the class builds with --init"
 
 
-def _audit_attention(module, name, job, sizes, factory, files, emit: Emit) -> None:
+def _audit_attention(module, name, job, sizes, setup, factory, files, emit: Emit) -> None:
     context = job["context_length"] or sizes.get("context_length")
     try:
         d_in, heads = job["d_in"] or sizes.get("d_in"), sizes.get("num_heads")
         probe = make_probe(module, d_in, context, heads, causal=job["causal"])
     except ValueError as usage:
         raise LoadError(str(usage)) from usage
-    report = AuditReport(name, job["causal"], probe.d_in, probe.context_length)
+    if probe.extra:
+        setup = [*setup, f"forward given {', '.join(probe.extra)}, made as a model makes them"]
+    report = AuditReport(name, job["causal"], probe.d_in, probe.context_length, setup=setup)
     emit("header", report=asdict(report), plan=plan(job["causal"]))
     _run(attention_steps(probe, report, factory), report, files, emit)
     finish(report)
     emit("final", report=asdict(report))
 
 
-def _audit_model(module, name, job, sizes, files, emit: Emit) -> None:
+def _audit_model(module, name, job, sizes, setup, files, emit: Emit) -> None:
     context = job["context_length"] or sizes.get("context_length")
     probe = model_audit.make_model_probe(module, context)
     report = model_audit.new_report(name, probe)
+    report.setup = setup
     emit("header", report=asdict(report), plan=model_audit.plan(probe))
     _run(model_audit.model_steps(probe, report), report, files, emit)
     emit("final", report=asdict(report))
