@@ -3,19 +3,26 @@ LlamaAttention, as `attnlab check FILE:LlamaAttention --init CONFIG`
 finds it: built from its LlamaConfig with a layer index, called with the position
 embeddings and the attention mask its model would make (tests/check/test_forms.py); and a
 LlamaAttention with a planted bug: the cache its model passes is dropped; Gemma2Attention
-(a declared scale and score cap) and a copy that drops its cap."""
+(a declared scale and score cap) and a copy that drops its cap; Qwen3Attention (per-head
+query and key norms) and a copy that sets its scale to 1; FalconAttention (its forward takes
+`alibi`, None without ALiBi as its model passes it)."""
 
 from transformers import Cache
+from transformers.models.falcon.modeling_falcon import FalconAttention
 from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 __all__ = [
+    "FalconAttention",
     "GPT2Attention",
     "Gemma2Attention",
     "Gemma2AttentionIgnoringItsCap",
     "LlamaAttention",
     "LlamaAttentionDroppingItsCache",
+    "Qwen3Attention",
+    "Qwen3AttentionUnscaled",
 ]
 
 
@@ -42,3 +49,11 @@ class Gemma2AttentionIgnoringItsCap(Gemma2Attention):
     def __init__(self, config, layer_idx=None):
         super().__init__(config, layer_idx)
         self.attn_logit_softcapping = None
+
+
+class Qwen3AttentionUnscaled(Qwen3Attention):
+    """The bug: the scores are not scaled (a port setting `scaling` to 1)."""
+
+    def __init__(self, config, layer_idx=None):
+        super().__init__(config, layer_idx)
+        self.scaling = 1.0

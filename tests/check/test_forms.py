@@ -31,7 +31,11 @@ GEMMA2_CONFIG = {  # a scale (1/sqrt(4)) and a cap that matter at these sizes
     "query_pre_attn_scalar": 4,
     "attn_logit_softcapping": 1.0,
 }
+QWEN3_CONFIG = {**LLAMA_CONFIG, "head_dim": 8}
 HF = (
+    "FalconAttention",
+    "Qwen3Attention",
+    "Qwen3AttentionUnscaled",
     "LlamaAttention",
     "GPT2Attention",
     "LlamaAttentionDroppingItsCache",
@@ -61,6 +65,8 @@ def _report(capsys, name: str, init: dict) -> tuple[int, dict]:
         ("LlamaAttention", LLAMA_CONFIG),  # transformers' class, LlamaConfig, layer_idx
         ("GPT2Attention", GPT2_CONFIG),  # unannotated config: its module's GPT2Config
         ("Gemma2Attention", GEMMA2_CONFIG),  # its declared scale and score cap
+        ("Qwen3Attention", QWEN3_CONFIG),  # per-head query and key norms
+        ("FalconAttention", LLAMA_CONFIG),  # alibi=None, one key/value head, fused qkv
     ],
 )
 def test_each_form_is_audited_without_an_adapter(capsys, name, init):
@@ -81,9 +87,12 @@ def test_each_form_is_audited_without_an_adapter(capsys, name, init):
         ("FastAttention", {"merge_bug": True}, "no transpose(1, 2) first"),
         ("FastAttention", {"n_local_heads": 2, "tile_bug": True}, "shared in the wrong order"),
         ("MetaAttention", {"offset_bug": True}, "do not continue from start_pos"),
+        ("Qwen3AttentionUnscaled", QWEN3_CONFIG, "scale is missing"),
     ],
 )
 def test_a_planted_bug_in_each_form_is_named_first(capsys, name, init, words):
+    if name in HF:
+        pytest.importorskip("transformers")
     code, results = _check(capsys, name, init)
     assert code == 1 and results["reference"]["status"] == "failed"
     assert words in results["reference"]["causes"][0], results["reference"]["causes"]

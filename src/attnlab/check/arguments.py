@@ -44,7 +44,7 @@ def builders(module: nn.Module, head_dim: int | None, causal: bool) -> list[dict
     causal audit of a module with a config)."""
     required, optional = _parameters(module)
     names = required[1:] + [n for n in optional if _supplied_when_optional(module, n, causal)]
-    if not names or any(name not in _KNOWN for name in names):
+    if not names or any(name not in _KNOWN for name in names) or _alibi_wanted(module, names):
         return [{}]
     if head_dim is None and {"freqs_cis", "position_embeddings"} & set(names):
         return [{}]  # tables of an unknown width: called with x alone
@@ -98,6 +98,12 @@ def _rotary_class(cls: type) -> type | None:
         if names:
             return None  # several: which one the model uses is not known
     return None
+
+
+def _alibi_wanted(module: nn.Module, names: list[str]) -> bool:
+    """Whether the forward takes ALiBi biases its config turns on (the check passes None,
+    as Falcon's model does only without ALiBi)."""
+    return "alibi" in names and bool(getattr(getattr(module, "config", None), "alibi", False))
 
 
 def supplies(names: list[str]) -> bool:
@@ -191,4 +197,5 @@ _KNOWN: dict[str, Callable[..., Builder]] = {
     "mask": _mask,
     "attn_mask": _mask,
     "attention_mask": _mask,
+    "alibi": _value(lambda x, start=0: None),  # Falcon's, None where its config has no ALiBi
 }

@@ -142,6 +142,7 @@ class Layout:
     rotary: Rotary | None = None  # rotary positions on queries and keys (check.rotary)
     scale: float | None = None  # a declared score scale other than 1/sqrt(head_dim)
     softcap: float | None = None  # scores capped as softcap * tanh(scores / softcap)
+    norms: dict[str, nn.Module] = field(default_factory=dict)  # "q"/"k": the module's norms
 
 
 def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> PropertyResult:
@@ -309,27 +310,40 @@ def _layer_names(layout: Layout) -> list[str]:
 
 
 def _declared_scores(module: nn.Module) -> dict:
-    """The score scale and softcap a transformers attention class declares from its config
-    (`scaling`: Gemma 2's query_pre_attn_scalar, Granite's attention_multiplier;
-    `attn_logit_softcapping`), taken as the model's design; other modules are held to
-    1/sqrt(head_dim) with no cap, so that a wrong `self.scale` is still a bug."""
+    """The score scale and softcap a transformers attention class's config declares (Gemma
+    2's query_pre_attn_scalar, Granite's attention_multiplier, attn_logit_softcapping),
+    taken as the model's design. Read from the config, not the layer's own `scaling`, so
+    that a copy setting a wrong one is still a bug; other modules are held to
+    1/sqrt(head_dim) with no cap."""
     if not any(c.__module__.startswith("transformers.") for c in type(module).__mro__):
         return {}
-    scaling = getattr(module, "scaling", None)
-    softcap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    config = getattr(module, "config", None)
     declared = {}
-    if isinstance(scaling, float) and scaling > 0:
-        declared["scale"] = scaling
-    if isinstance(softcap, (int, float)) and softcap > 0:
-        declared["softcap"] = float(softcap)
+    scalar = _positive(config, "query_pre_attn_scalar")
+    multiplier = _positive(config, "attention_multiplier")
+    if scalar is not None:
+        declared["scale"] = scalar**-0.5
+    elif multiplier is not None:
+        declared["scale"] = multiplier
+    softcap = _positive(config, "attn_logit_softcapping")
+    if softcap is not None:
+        declared["softcap"] = softcap
     return declared
+
+
+def _positive(config: object, name: str) -> float | None:
+    value = getattr(config, name, None)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else None
 
 
 def _describe(layout: Layout) -> str:
     what = layout.what if layout.rotary is None else f"{layout.what}, {layout.rotary}"
+    if layout.norms:
+        what += ", queries and keys normed by the module's own norms"
     group = layout.groups[0]
     if layout.scale is not None and layout.scale != (group.q.width // group.num_heads) ** -0.5:
-        what += f", scale {layout.scale:.4g} as the layer declares (its `scaling`)"
+        what += f", scale {layout.scale:.4g} as its config declares"
     if layout.softcap is not None:
         what += f", scores capped at {layout.softcap:g} (its config's attn_logit_softcapping)"
     if layout.window is None:
@@ -431,8 +445,11 @@ def _attend(x, p: Projections, causal: bool, variant: str, layout: Layout) -> to
     rope, window = layout.rotary, layout.window
     q, k, v = _linear(x, p.q), _linear(x, p.k), _linear(x, p.v)  # (b, t, width)
     head_dim = q.shape[-1] // p.num_heads
+    q, k = _normed(q, layout.norms.get("q")), _normed(k, layout.norms.get("k"))
     q = _heads(q, p.num_heads, variant)  # (b, h, t, hd)
     k, v = _heads(k, p.num_kv_heads, variant), _heads(v, p.num_kv_heads, variant)  # (b, g, t, .)
+    q = _normed(q, layout.norms.get("q"), whole=p.q.width)
+    k = _normed(k, layout.norms.get("k"), whole=p.k.width)
     if rope is not None:
         q = q if variant == "queries_not_rotated" else rope.apply(q)
         k = k if variant == "keys_not_rotated" else rope.apply(k)
@@ -490,6 +507,17 @@ def _heads(y: torch.Tensor, heads: int, variant: str) -> torch.Tensor:
     return y.view(b, t, heads, width // heads).transpose(1, 2)  # (b, t, d) -> (b, h, t, hd)
 
 
+def _normed(t: torch.Tensor, norm: nn.Module | None, whole: int | None = None) -> torch.Tensor:
+    """t through the module's own norm where the norm's width is t's last dimension: the
+    whole projection (b, t, width) before the heads are split (whole None), or each head
+    (b, h, t, hd) after, when the norm is not as wide as the whole projection; t unchanged
+    otherwise."""
+    width = None if norm is None else next(norm.parameters()).numel()
+    if width != t.shape[-1] or width == whole:
+        return t
+    return norm(t).to(t.dtype)
+
+
 def _linear(x: torch.Tensor, layer: Layer) -> torch.Tensor:
     out = x @ layer.weight.T
     return out if layer.bias is None else out + layer.bias
@@ -510,15 +538,48 @@ def candidate_layouts(module: nn.Module, d_in: int) -> tuple[list[Layout], bool,
     layers = collect_layers(module, d_in)
     if not layers:
         return [], False, "no nn.Linear, Conv1D or 2-d weight parameter to take as projections"
-    extra = _unknown_state(module, {layer.name for layer in layers})
+    norms = _query_key_norms(module)
+    extra = _unknown_state(module, {layer.name for layer in layers} | set(norms))
     layouts = _wrapper_layouts(module, layers, d_in) + _flat_layouts(module, layers, d_in)
     if not layouts:
         return [], False, f"no assignment of its {len(layers)} projections fits the widths"
+    if norms:
+        layouts = [replace(layout, norms=_frozen(norms)) for layout in layouts]
     informative = any(layout.consistent for layout in layouts) and _named(layers)
     why = f"{len(layers)} projection layers"
     if extra:
         why += f"; state outside them ({joined(extra, 4)}): a positional bias or rotation?"
     return layouts[:_MAX_LAYOUTS], informative and not extra, why
+
+
+_NORM_NAMES = {
+    "q": ("q_norm", "q_layernorm", "query_norm", "q_ln"),
+    "k": ("k_norm", "k_layernorm", "key_norm", "k_ln"),
+}
+
+
+def _query_key_norms(module: nn.Module) -> dict[str, nn.Module]:
+    """{path: norm} of the module's query and key norms (Qwen3's and OLMo 2's q_norm and
+    k_norm: per head or over the whole projection), when it has both, each a direct child
+    holding one 1-d weight; else {}."""
+    found = {}
+    for role, names in _NORM_NAMES.items():
+        for name in names:
+            norm = getattr(module, name, None)
+            weights = [p for p in norm.parameters()] if isinstance(norm, nn.Module) else []
+            if len(weights) == 1 and weights[0].dim() == 1:
+                found[role] = (name, norm)
+    if len(found) < 2:
+        return {}
+    return {name: norm for name, norm in found.values()}
+
+
+def _frozen(norms: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """{"q": norm, "k": norm}: float64 copies in eval mode, for the reference."""
+    import copy
+
+    copies = [copy.deepcopy(norm).double().eval() for norm in norms.values()]
+    return dict(zip(("q", "k"), copies, strict=True))
 
 
 def collect_layers(module: nn.Module, d_in: int) -> list[Layer]:
