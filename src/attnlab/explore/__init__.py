@@ -7,12 +7,27 @@ holds its scripts, styles and data inline (no network, no CDN, no server): a lay
 grid of thumbnails, a head view with token-to-token lines, a heatmap with exact values on
 hover, masked cells drawn as masked, per-head statistics, and two maps side by side.
 
+The package is callable: `attnlab.explore(model, inputs)` is `explore(model, inputs)`.
+
 Shapes: maps are (layers, heads, queries, keys); a boolean `allowed` is False where a cell
 is masked.
 """
+
+import sys
+import types
 
 from attnlab.explore.data import Capture, Group
 from attnlab.explore.explorer import explore
 from attnlab.explore.result import Exploration, combine
 
 __all__ = ["Capture", "Exploration", "Group", "combine", "explore"]
+
+
+class _CallableModule(types.ModuleType):
+    """attnlab.explore itself calls explore(): `attnlab.explore(model, inputs)`."""
+
+    def __call__(self, *args, **kwargs) -> Exploration:
+        return explore(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -30,7 +30,7 @@ def payload(capture: Capture, bits: int) -> dict:
     """
     groups = []
     for group in capture.groups:
-        layers, heads, _, _ = group.shape
+        heads = group.shape[1]
         groups.append(
             {
                 "name": group.name,
