@@ -69,7 +69,7 @@
 
   // paint map (l, h) into an ImageData, cell px per cell; a block of cells shrinks to its
   // largest value where the map is larger than the image (thumbnails)
-  function paint(ctx, g, l, h, rows, cols, cell) {
+  function paint(ctx, g, l, h, rows, cols, cell, hatch) {
     const m = l * g.heads + h;
     const img = ctx.createImageData(cols * cell, rows * cell);
     const px = img.data, width = cols * cell;
@@ -85,9 +85,9 @@
         const rgb = best === null ? null : colour(shade(g, m, best));
         for (let y = r * cell; y < (r + 1) * cell; y++) for (let x = c * cell; x < (c + 1) * cell; x++) {
           const o = (y * width + x) * 4;
-          if (rgb === null) {  // masked: grey hatching, never the colour of a zero
-            const dark = (x + y) % 4 < 2;
-            px[o] = px[o + 1] = px[o + 2] = dark ? 170 : 232;
+          if (rgb === null) {  // masked: grey (hatched), never the colour of a zero
+            const dark = hatch && (x + y) % 4 < 2;
+            px[o] = px[o + 1] = px[o + 2] = dark ? 170 : (hatch ? 232 : 200);
           } else { px[o] = rgb[0]; px[o + 1] = rgb[1]; px[o + 2] = rgb[2]; }
           px[o + 3] = 255;
         }
@@ -185,7 +185,7 @@
         c.width = cols; c.height = rows;
         c.dataset.layer = l; c.dataset.head = h;
         c.title = mapName(gi, l, h) + (g.stats ? "\n" + statText(g, l * g.heads + h) : "");
-        paint(c.getContext("2d"), g, l, h, rows, cols, 1);
+        paint(c.getContext("2d"), g, l, h, rows, cols, 1, false);
         c.addEventListener("click", function (ev) { select(ev.shiftKey ? 1 : 0, { g: gi, l: l, h: h }); });
         td.appendChild(c);
         tr.appendChild(td);
@@ -367,7 +367,7 @@
     const cell = Math.max(1, Math.min(40, Math.floor(512 / Math.max(g.q, g.k))));
     const c = el("canvas", "axp-heat");
     c.width = g.k * cell; c.height = g.q * cell;
-    paint(c.getContext("2d"), g, sel.l, sel.h, g.q, g.k, cell);
+    paint(c.getContext("2d"), g, sel.l, sel.h, g.q, g.k, cell, true);
     wrap.appendChild(c);
     const tip = el("div", "axp-tip", "hover a cell for its exact value");
     wrap.appendChild(tip);
@@ -404,6 +404,7 @@
       buildShell();
       showGroup(0);
       select(0, { g: 0, l: 0, h: 0 });
+      root.dataset.readyMs = performance.now().toFixed(0);
       root.dataset.ready = "1";
     } catch (err) {
       root.appendChild(el("div", "axp-error", "attnlab explorer could not draw this page: " + err));
