@@ -104,9 +104,8 @@ def main() -> int:
         paths.append(result.save(out / f"explore-{index}.html"))
     times = open_times(paths, args.runs)
     print(f"{LAYERS} layers x {HEADS} heads x {TOKENS} tokens; Chromium, {args.runs} opens each")
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; Python {sys.version.split()[0]}"
-    )
+    python = sys.version.split()[0]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; Python {python}")
     print(f"{'page':45} {'file MB':>8} {'write s':>8} {'open ms (median, max)':>22}")
     for (name, (_, seconds)), path, found in zip(pages.items(), paths, times, strict=True):
         size = path.stat().st_size / 1e6

@@ -70,7 +70,9 @@ def assert_row_equal(
 ) -> None:
     """Each shown value equals the tensor's row within tol; masked exactly where not allowed."""
     assert len(shown) == weights.shape[0]
-    for key, (text, value, ok) in enumerate(zip(shown, weights.tolist(), allowed.tolist())):
+    for key, (text, value, ok) in enumerate(
+        zip(shown, weights.tolist(), allowed.tolist(), strict=True)
+    ):
         if not ok:
             assert text == "masked", f"key {key}: shown {text}, expected masked"
         else:
