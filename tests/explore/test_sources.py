@@ -211,3 +211,16 @@ def test_too_many_cells_keep_the_first_layers_and_say_so():
     assert capture.groups[0].shape == (2, 2, 8, 8)
     (cut,) = capture.cuts
     assert cut.startswith("self-attention: layers layer 2 to layer 3 cut (2 of 4 layers kept")
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_pytorchs_multihead_attention_gives_the_weights_it_returns(batch_first):
+    torch.manual_seed(0)
+    module = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    x = torch.randn(1, 5, 8)  # (1, t, d)
+    (group,) = attnlab.explore(module, x).capture.groups
+    xs = x if batch_first else x.transpose(0, 1)
+    with torch.no_grad():
+        _, expected = module(xs, xs, xs, average_attn_weights=False)  # (1, h, t, t)
+    assert group.shape == (1, 2, 5, 5)
+    torch.testing.assert_close(group.weights[0], expected[0], rtol=0, atol=0)

@@ -305,7 +305,8 @@
   }
 
   // lines from query i to every key, opacity and width following the weight relative to
-  // the row's largest; with no focused row, every row's lines, fainter
+  // the row's largest; with no focused row, every row's lines, fainter (on a large map,
+  // only each row's strongest line, so that drawing stays quick)
   function drawLines(view, focus) {
     const g = view.g, ctx = view.lines, sel = view.sel;
     ctx.clearRect(0, 0, ctx.canvas.width, ctx.canvas.height);
@@ -322,7 +323,7 @@
         const v = value(g, sel.l, sel.h, i, j);
         if (v === null) continue;
         const t = shade(g, view.m, v) / most;
-        if (t < 0.02) continue;
+        if (t < (focus === null && g.q * g.k > 4096 ? 1 : 0.02)) continue;
         ctx.globalAlpha = focus === null ? 0.5 * t : t;
         ctx.lineWidth = 0.5 + 2.5 * t;
         ctx.beginPath();

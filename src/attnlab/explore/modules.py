@@ -1,5 +1,7 @@
 """Attention maps of a PyTorch module, as it computes them.
 
+- PyTorch's `nn.MultiheadAttention` (the module itself) is called as self-attention with
+  need_weights=True, average_attn_weights=False: the weights it returns, per head.
 - attnlab's `MultiHeadAttention` layers (the module itself or any submodule) are called with
   `need_weights=True` (a forward pre-hook), and their weights are taken off the output
   before the model sees it: the layer's own weights, from its own kernel. Masked cells come
@@ -65,7 +67,9 @@ def record_module(module: nn.Module, x: torch.Tensor, queries: int) -> list[Reco
     records: list[Record] = []
     layers = [m for m in module.modules() if isinstance(m, MultiHeadAttention)]
     with _eval(module), torch.no_grad(), _names(module) as stack:
-        if layers:
+        if isinstance(module, nn.MultiheadAttention):
+            records.append(_torch_mha(module, x))
+        elif layers:
             with _weights_hooks(layers, module, records):
                 module(x)
         else:
@@ -109,6 +113,15 @@ def groups_of(
             )
         )
     return tuple(groups)
+
+
+def _torch_mha(module: nn.MultiheadAttention, x: torch.Tensor) -> Record:
+    """PyTorch's nn.MultiheadAttention as self-attention, with the weights it returns per
+    head (no mask: every cell allowed)."""
+    x = x if module.batch_first else x.transpose(0, 1)  # (1, t, d) or (t, 1, d)
+    _, weights = module(x, x, x, need_weights=True, average_attn_weights=False)  # (1, h, t, t)
+    w = weights[0].float().cpu()  # (h, t, t)
+    return Record(type(module).__name__, w, torch.ones_like(w, dtype=torch.bool))
 
 
 @contextlib.contextmanager
