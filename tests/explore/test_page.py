@@ -14,7 +14,14 @@ from attnlab.explore import combine
 from attnlab.explore.chapter import CAUSAL
 from tests.explore import models
 from tests.explore.conftest import URL
-from tests.explore.pages import assert_row_equal, panel, pixel, shown_cell, shown_row, tolerance
+from tests.explore.pages import (
+    assert_row_equal,
+    panel,
+    pixel,
+    shown_cell,
+    shown_row,
+    tolerance,
+)
 
 TEXT = "Your journey starts with one step"
 
@@ -130,11 +137,13 @@ def test_two_models_side_by_side(open_html, screenshots):
     page.select_option("select.axp-compare", "1/1/0")  # the second model, same head
     assert page.locator(panel(1)).is_visible()
     assert "seed 1" in page.inner_text(f"{panel(1)} h3")
-    tol = tolerance(both.data, 1, 1, 0)
-    shown = shown_row(page, 5, panel_index=1)
-    assert_row_equal(shown, second_attn[1][0, 0, 5], CAUSAL[5], tol)
-    shown = shown_row(page, 5, panel_index=0)
-    assert_row_equal(shown, first_attn[1][0, 0, 5], CAUSAL[5], tolerance(both.data, 0, 1, 0))
+    for query in (3, 5):
+        shown = shown_row(page, query, panel_index=1)
+        tol = tolerance(both.data, 1, 1, 0)
+        assert_row_equal(shown, second_attn[1][0, 0, query], CAUSAL[query], tol)
+        shown = shown_row(page, query, panel_index=0)
+        tol = tolerance(both.data, 0, 1, 0)
+        assert_row_equal(shown, first_attn[1][0, 0, query], CAUSAL[query], tol)
     page.screenshot(path=str(screenshots / "explore-compare.png"), full_page=True)
 
 
@@ -189,4 +198,7 @@ def test_stated_precision_holds_at_8_and_16_bits(open_html, bits):
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
     tol = tolerance(result.data, 0, 0, 1)
     assert tol < (2.5e-3 if bits == 8 else 1e-5)  # half a step, half the last decimal
-    assert_row_equal(shown_row(page, 11), weights[0, 1, 11], causal[11], tol)
+    for query in range(12):
+        assert_row_equal(shown_row(page, query), weights[0, 1, query], causal[query], tol)
+    for query, key in [(0, 0), (11, 4), (7, 7)]:
+        assert abs(float(shown_cell(page, query, key)) - weights[0, 1, query, key].item()) <= tol
