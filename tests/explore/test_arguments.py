@@ -9,7 +9,7 @@ from torch import nn
 
 import attnlab
 from attnlab import book
-from attnlab.explore import Capture, Exploration, combine
+from attnlab.explore import Capture, Exploration, Group, combine
 from tests.explore import models
 
 
@@ -82,3 +82,15 @@ def test_save_and_combine_check_their_arguments(tmp_path):
         Exploration({})
     assert isinstance(result + result, Exploration)
     assert isinstance(Exploration(Capture("t", ())), Exploration)
+
+
+def test_a_group_checks_its_maps():
+    labels = ("a", "b")
+    with pytest.raises(ValueError, match=r"weights must be \(layers, heads, queries, keys\)"):
+        Group("g", torch.zeros(2, 2), torch.tensor(True), labels, labels, ("l",))
+    with pytest.raises(TypeError, match=r"allowed must be a bool tensor, got a torch\.float32"):
+        Group("g", torch.zeros(1, 1, 2, 2), torch.ones(2, 2), labels, labels, ("l",))
+    with pytest.raises(ValueError, match=r"allowed \(3, 3\) must broadcast to"):
+        Group("g", torch.zeros(1, 1, 2, 2), torch.ones(3, 3).bool(), labels, labels, ("l",))
+    with pytest.raises(ValueError, match=r"layer_names \(2\) must name each of the 1 layers"):
+        Group("g", torch.zeros(1, 1, 2, 2), torch.tensor(True), labels, labels, ("l", "m"))

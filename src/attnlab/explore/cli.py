@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnlab._arguments import positive_int
+from attnlab._arguments import positive_int, seed
 from attnlab.check.loader import LoadError
 
 DEFAULT_OUT = "attnlab-out/explore.html"
@@ -81,7 +81,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default="auto",
         help="bits per stored value (default: auto, 16 up to 4 M cells, else 8)",
     )
-    explore.add_argument("--seed", type=int, default=0, help="torch seed for a module's weights")
+    explore.add_argument(
+        "--seed", type=seed, default=0, help="torch seed for a module's weights (default: 0)"
+    )
     explore.set_defaults(explore_parser=explore)
     return explore
 

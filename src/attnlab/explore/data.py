@@ -41,6 +41,22 @@ class Group:
     scores: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.weights, torch.Tensor) or not self.weights.is_floating_point():
+            raise TypeError(f"weights must be a floating-point tensor, got {_kind(self.weights)}")
+        if self.weights.dim() != 4:
+            raise ValueError(
+                "weights must be (layers, heads, queries, keys), got shape "
+                f"{tuple(self.weights.shape)}"
+            )
+        if not isinstance(self.allowed, torch.Tensor) or self.allowed.dtype != torch.bool:
+            raise TypeError(f"allowed must be a bool tensor, got {_kind(self.allowed)}")
+        try:
+            torch.broadcast_shapes(self.allowed.shape, self.weights.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"allowed {tuple(self.allowed.shape)} must broadcast to the weights' shape "
+                f"{tuple(self.weights.shape)}"
+            ) from None
         layers, _, queries, keys = self.weights.shape
         if len(self.layer_names) != layers:
             raise ValueError(
@@ -60,7 +76,7 @@ class Group:
 
     def full_mask(self) -> torch.Tensor:
         """`allowed` expanded to (layers, heads, queries, keys)."""
-        return self.allowed.bool().expand(self.weights.shape)
+        return self.allowed.expand(self.weights.shape)
 
 
 @dataclass(frozen=True)
@@ -78,3 +94,9 @@ class Capture:
     groups: tuple[Group, ...]
     notes: tuple[str, ...] = field(default=())
     cuts: tuple[str, ...] = field(default=())
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return type(value).__name__

@@ -186,7 +186,11 @@
         c.dataset.layer = l; c.dataset.head = h;
         c.title = mapName(gi, l, h) + (g.stats ? "\n" + statText(g, l * g.heads + h) : "");
         paint(c.getContext("2d"), g, l, h, rows, cols, 1, false);
-        c.addEventListener("click", function (ev) { select(ev.shiftKey ? 1 : 0, { g: gi, l: l, h: h }); });
+        c.addEventListener("click", function (ev) {
+          const p = ev.shiftKey ? 1 : 0;
+          select(p, { g: gi, l: l, h: h });
+          root.querySelector('.axp-detail[data-panel="' + p + '"]').scrollIntoView({ block: "nearest" });
+        });
         td.appendChild(c);
         tr.appendChild(td);
       }

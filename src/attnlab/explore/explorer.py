@@ -175,18 +175,7 @@ def _hf_capture(source, inputs, tokens, tokenizer, decoder_inputs, causal, max_t
         cuts.append(_token_cut("inputs", ids.shape[1], max_tokens))
         ids, mask = ids[:, :max_tokens], mask[:, :max_tokens]  # (1, max_tokens)
     labels = hf.labels(ids, tokenizer) if tokens is None else inputs_.tensor_labels(ids, tokens)
-    decoder = None
-    if getattr(source.config, "is_encoder_decoder", False):
-        if decoder_inputs is None:
-            dec = hf.decoder_ids(source, ids)
-        else:
-            dec, _ = hf.encode(decoder_inputs, tokenizer, "decoder_inputs")
-        if dec.shape[1] > max_tokens:
-            cuts.append(_token_cut("decoder_inputs", dec.shape[1], max_tokens))
-            dec = dec[:, :max_tokens]  # (1, max_tokens)
-        decoder = (dec, hf.labels(dec, tokenizer))
-    elif decoder_inputs is not None:
-        raise ValueError("decoder_inputs applies to encoder-decoder models only")
+    decoder = _decoder(source, ids, decoder_inputs, tokenizer, max_tokens, cuts)
     groups, notes = hf.capture(source, ids, mask, labels, decoder, causal)
     name = getattr(source.config, "name_or_path", "") or type(source).__name__
     title = f"{name} on \u201c{_short(' '.join(labels))}\u201d"
@@ -194,6 +183,23 @@ def _hf_capture(source, inputs, tokens, tokenizer, decoder_inputs, causal, max_t
     if tokenizer is None:
         notes.append("No tokenizer: tokens are labelled by their ids.")
     return Capture(title, groups, tuple(notes), tuple(cuts))
+
+
+def _decoder(model, ids, decoder_inputs, tokenizer, max_tokens, cuts):
+    """(decoder ids (1, td), labels) for an encoder-decoder model, else None; a cut is
+    appended to `cuts`."""
+    if not getattr(model.config, "is_encoder_decoder", False):
+        if decoder_inputs is not None:
+            raise ValueError("decoder_inputs applies to encoder-decoder models only")
+        return None
+    if decoder_inputs is None:
+        dec = hf.decoder_ids(model, ids)
+    else:
+        dec, _ = hf.encode(decoder_inputs, tokenizer, "decoder_inputs")
+    if dec.shape[1] > max_tokens:
+        cuts.append(_token_cut("decoder_inputs", dec.shape[1], max_tokens))
+        dec = dec[:, :max_tokens]  # (1, max_tokens)
+    return dec, hf.labels(dec, tokenizer)
 
 
 def _fit(capture: Capture, max_cells: int) -> Capture:

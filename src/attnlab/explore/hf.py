@@ -125,7 +125,7 @@ def capture(
 
     Args:
         model: a transformers PreTrainedModel.
-        ids: (1, t) input ids; mask: (1, t) its attention_mask.
+        ids: (1, t) input ids.
         mask: (1, t) attention_mask, 0 at padding.
         tokens: the input tokens' labels.
         decoder: (decoder ids (1, td), their labels) for an encoder-decoder model.
