@@ -224,3 +224,21 @@ def test_pytorchs_multihead_attention_gives_the_weights_it_returns(batch_first):
         _, expected = module(xs, xs, xs, average_attn_weights=False)  # (1, h, t, t)
     assert group.shape == (1, 2, 5, 5)
     torch.testing.assert_close(group.weights[0], expected[0], rtol=0, atol=0)
+
+
+class _ByteLevel:
+    """A tokenizer's two readings of ids 0 and 1: GPT-2's "Ġa", and a piece that decodes
+    to nothing visible."""
+
+    def convert_ids_to_tokens(self, ids):
+        return [["Ġa", "Ċ"][i] for i in ids]
+
+    def decode(self, ids):
+        return [" a", "\n"][ids[0]]
+
+
+def test_token_labels_are_decoded_text_or_the_vocabulary_entry_where_blank():
+    from attnlab.explore import hf
+
+    assert hf.labels(torch.tensor([[0, 1]]), _ByteLevel()) == (" a", "Ċ")
+    assert hf.labels(torch.tensor([[0, 1]]), None) == ("0", "1")

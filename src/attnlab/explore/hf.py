@@ -82,11 +82,14 @@ def encode(
 
 
 def labels(ids: torch.Tensor, tokenizer: object | None) -> tuple[str, ...]:
-    """Each token's text (tokenizer.convert_ids_to_tokens), or its id without a tokenizer."""
+    """Each token's text as the tokenizer decodes it alone (" journey", not "Ġjourney"), its
+    vocabulary entry where that is blank, or its id without a tokenizer."""
     row = ids[0].tolist()
     if tokenizer is None:
         return tuple(str(i) for i in row)
-    return tuple(str(t) for t in tokenizer.convert_ids_to_tokens(row))
+    pieces = tokenizer.convert_ids_to_tokens(row)
+    texts = [tokenizer.decode([i]) for i in row]
+    return tuple(t if t.strip() else str(p) for t, p in zip(texts, pieces, strict=True))
 
 
 def decoder_ids(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
