@@ -77,3 +77,15 @@ def test_demo_points_to_the_explorer(tmp_path):
     lines: list[str] = []
     demo.run_demo(tmp_path, echo=lines.append)
     assert "attnlab explore -o attnlab-out/explore.html" in lines[-1]
+
+
+def test_a_whole_model_through_its_sdpa_calls(tmp_path, capsys):
+    """nanoGPT (examples/nanogpt.py) attends with F.scaled_dot_product_attention: each
+    block's call is a layer, named after its module; text becomes hashed token ids."""
+    out = tmp_path / "nano.html"
+    init = '{"block_size": 32, "vocab_size": 100, "n_layer": 2, "n_head": 2, "n_embd": 16}'
+    target = f"{ROOT / 'examples' / 'nanogpt.py'}:GPT"
+    assert cli.main(["explore", target, "--init", init, "-o", str(out)]) == 0
+    assert "attention: 2 x 2 maps of 6 x 6" in capsys.readouterr().out
+    (data,) = read_payload(out.read_text(encoding="utf-8"))
+    assert data["groups"][0]["layers"] == ["transformer.h.0.attn", "transformer.h.1.attn"]

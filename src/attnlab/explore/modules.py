@@ -175,7 +175,7 @@ def _weights_hooks(
     def post(layer, args, kwargs, output):
         out, weights = output
         allowed = _layer_allowed(layer, args, kwargs, weights)
-        records.append(Record(names[layer], weights[0].float(), allowed[0]))
+        records.append(Record(names[layer], weights[0].float().cpu(), allowed[0].cpu()))
         return output if asked.pop(id(layer), False) else out
 
     handles = []
