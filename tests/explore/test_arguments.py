@@ -81,7 +81,8 @@ def test_save_and_combine_check_their_arguments(tmp_path):
     with pytest.raises(TypeError, match="capture must be a Capture, got dict"):
         Exploration({})
     assert isinstance(result + result, Exploration)
-    assert isinstance(Exploration(Capture("t", ())), Exploration)
+    with pytest.raises(ValueError, match="capture 't' has no group of maps to show"):
+        Exploration(Capture("t", ()))
 
 
 def test_a_group_checks_its_maps():

@@ -341,6 +341,7 @@
 
   function focusRow(view, i) {
     const g = view.g, sel = view.sel, pinned = state.pinned[view.p];
+    view.focus = i;
     drawLines(view, i);
     view.qTok.forEach(function (d, q) {
       d.classList.toggle("axp-focus", q === i);
@@ -399,7 +400,7 @@
       tip.textContent = "query " + i + " \u201c" + g.queries[i] + "\u201d \u2192 key " + j + " \u201c" +
         g.keys[j] + "\u201d: " + (v === null ? "masked" : fmt(g, view.m, v) + " (\u00b1" +
         halfStep(g, view.m).toPrecision(2) + ")");
-      if (state.pinned[view.p] === null) focusRow(view, i);
+      if (state.pinned[view.p] === null && view.focus !== i) focusRow(view, i);
     });
   }
 

@@ -33,10 +33,12 @@ class Exploration:
 
         Raises:
             TypeError: capture is not a Capture.
-            ValueError: a precision other than "auto", 8 or 16.
+            ValueError: a capture with no group, or a precision other than "auto", 8 or 16.
         """
         if not isinstance(capture, Capture):
             raise TypeError(f"capture must be a Capture, got {type(capture).__name__}")
+        if not capture.groups:
+            raise ValueError(f"capture {capture.title!r} has no group of maps to show")
         cells = sum(group.weights.numel() for group in capture.groups)
         self.capture = capture
         self.bits = choose_bits(precision, cells)
