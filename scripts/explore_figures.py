@@ -2,6 +2,7 @@
 x 12 heads x 256 tokens, in headless Chromium.
 
     PYTHONPATH=src .venv/bin/python scripts/explore_figures.py [--runs 5] [--out DIR]
+        [--screenshot docs/images/explore-large.png]
 
 Three pages: a GPT-2-small-shaped model with random weights (transformers, built from its
 configuration: no download) at 8 bits ("auto" at this size), the same at 16 bits, and a
@@ -68,13 +69,16 @@ def worst_page() -> tuple[Exploration, float]:
     return result, time.perf_counter() - start
 
 
-def open_times(paths: list[Path], runs: int) -> list[list[float]]:
-    """Milliseconds from navigation start to the page drawn, `runs` times per file."""
+def open_times(paths: list[Path], runs: int, screenshot: Path | None) -> list[list[float]]:
+    """Milliseconds from navigation start to the page drawn, `runs` times per file; with
+    `screenshot`, the first page with layer 5 head 7 open and query 100 hovered."""
     from playwright.sync_api import sync_playwright
 
     times = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        if screenshot is not None:
+            _screenshot(browser, paths[0], screenshot)
         for path in paths:
             found = []
             for _ in range(runs):
@@ -88,10 +92,23 @@ def open_times(paths: list[Path], runs: int) -> list[list[float]]:
     return times
 
 
+def _screenshot(browser, path: Path, out: Path) -> None:
+    page = browser.new_page(viewport={"width": 1300, "height": 1150})
+    page.goto(path.resolve().as_uri())
+    page.wait_for_selector(".axp[data-ready='1']", timeout=60_000)
+    page.click("canvas.axp-thumb[data-layer='5'][data-head='7']")
+    page.hover(".axp-detail[data-panel='0'] .axp-q[data-q='100']")
+    page.screenshot(path=str(out), full_page=True)
+    page.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="folder for the pages")
+    parser.add_argument(
+        "--screenshot", type=Path, default=None, help="PNG of the first page, a head open"
+    )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="attnlab-explore-"))
     pages = {
@@ -102,7 +119,7 @@ def main() -> int:
     paths = []
     for index, (result, _) in enumerate(pages.values()):
         paths.append(result.save(out / f"explore-{index}.html"))
-    times = open_times(paths, args.runs)
+    times = open_times(paths, args.runs, args.screenshot)
     print(f"{LAYERS} layers x {HEADS} heads x {TOKENS} tokens; Chromium, {args.runs} opens each")
     python = sys.version.split()[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; Python {python}")

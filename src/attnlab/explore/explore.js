@@ -329,7 +329,7 @@
         const t = shade(g, view.m, v) / most;
         if (t < (focus === null && g.q * g.k > 4096 ? 1 : 0.02)) continue;
         ctx.globalAlpha = focus === null ? 0.5 * t : t;
-        ctx.lineWidth = 0.5 + 2.5 * t;
+        ctx.lineWidth = focus === null ? 0.5 + t : 0.5 + 2.5 * t;
         ctx.beginPath();
         ctx.moveTo(0, i * ROW_H + ROW_H / 2);
         ctx.lineTo(ctx.canvas.width, j * ROW_H + ROW_H / 2);
