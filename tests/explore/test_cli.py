@@ -89,3 +89,13 @@ def test_a_whole_model_through_its_sdpa_calls(tmp_path, capsys):
     assert "attention: 2 x 2 maps of 6 x 6" in capsys.readouterr().out
     (data,) = read_payload(out.read_text(encoding="utf-8"))
     assert data["groups"][0]["layers"] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+
+
+def test_a_missing_transformers_model_is_a_usage_error(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(
+            ["explore", "--hf", str(tmp_path / "nothing-here"), "-o", str(tmp_path / "x.html")]
+        )
+    assert exit_info.value.code == 2
+    assert f"--hf '{tmp_path / 'nothing-here'}'" in capsys.readouterr().err

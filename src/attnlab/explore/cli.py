@@ -108,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         source, inputs, extra = _source(args, parser)
         result = explore(source, inputs, **extra, **options)
-    except (LoadError, ValueError, TypeError) as error:
+    except (LoadError, ValueError, TypeError, ImportError) as error:
         parser.error(str(error))
+    except OSError as error:  # transformers found no such model
+        parser.error(f"--hf {args.hf!r}: {error}")
     path = result.save(out)
     size = path.stat().st_size
     print(f"wrote {path} ({size / 1e6:.2f} MB): {result.capture.title}")

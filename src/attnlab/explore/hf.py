@@ -35,8 +35,18 @@ def is_hf_model(model: object) -> bool:
 
 
 def load(name: str) -> tuple[nn.Module, object | None]:
-    """A model (AutoModel) and its tokenizer (None if it has none) by name or path."""
-    from transformers import AutoModel, AutoTokenizer
+    """A model (AutoModel) and its tokenizer (None if it has none) by name or path.
+
+    Raises:
+        ImportError: transformers is not installed.
+        OSError: no such model (transformers' own message).
+    """
+    try:
+        from transformers import AutoModel, AutoTokenizer
+    except ModuleNotFoundError as error:
+        raise ImportError(
+            f"a model by name ({name!r}) needs transformers: pip install 'attnlab[hf]'"
+        ) from error
 
     model = AutoModel.from_pretrained(name)
     try:
