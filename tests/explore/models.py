@@ -3,6 +3,7 @@ tokenizer built in memory; their attentions as the model itself returns them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 WORDS = ["[PAD]", "[UNK]", "Your", "journey", "starts", "with", "one", "step", "the", "a"]
@@ -10,6 +11,7 @@ WORDS = ["[PAD]", "[UNK]", "Your", "journey", "starts", "with", "one", "step", "
 
 def tiny_gpt2(layers: int = 2, heads: int = 3, seed: int = 0):
     """A GPT-2 of `layers` x `heads` (width 24), weights spread enough for peaked maps."""
+    pytest.importorskip("transformers", reason="transformers is the optional extra attnlab[hf]")
     from transformers import GPT2Config, GPT2Model
 
     torch.manual_seed(seed)
@@ -27,6 +29,7 @@ def tiny_gpt2(layers: int = 2, heads: int = 3, seed: int = 0):
 
 
 def tiny_bert(seed: int = 0):
+    pytest.importorskip("transformers", reason="transformers is the optional extra attnlab[hf]")
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
@@ -43,6 +46,7 @@ def tiny_bert(seed: int = 0):
 
 
 def tiny_t5(seed: int = 0):
+    pytest.importorskip("transformers", reason="transformers is the optional extra attnlab[hf]")
     from transformers import T5Config, T5Model
 
     torch.manual_seed(seed)
@@ -63,6 +67,7 @@ def tiny_t5(seed: int = 0):
 
 def tokenizer():
     """A word-level tokenizer of WORDS (whitespace split), as a transformers tokenizer."""
+    pytest.importorskip("transformers", reason="transformers is the optional extra attnlab[hf]")
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
