@@ -242,3 +242,22 @@ def test_token_labels_are_decoded_text_or_the_vocabulary_entry_where_blank():
 
     assert hf.labels(torch.tensor([[0, 1]]), _ByteLevel()) == (" a", "Ċ")
     assert hf.labels(torch.tensor([[0, 1]]), None) == ("0", "1")
+
+
+class _WithProbabilities(nn.Module):
+    """The book's causal attention, then a softmax over a 20-word vocabulary (not attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = book.CausalAttention(3, 3, 6, 0.0)
+        self.head = nn.Linear(3, 20)
+
+    def forward(self, x):
+        return torch.softmax(self.head(self.attention(x)), dim=-1)
+
+
+def test_a_softmax_over_a_vocabulary_is_not_taken_for_attention():
+    torch.manual_seed(0)
+    (group,) = attnlab.explore(_WithProbabilities(), TEXT).capture.groups
+    assert group.shape == (1, 1, 6, 6)
+    assert group.layer_names == ("attention",)

@@ -7,8 +7,9 @@
   before the model sees it: the layer's own weights, from its own kernel. Masked cells come
   from the layer's rule (causal, sliding window) and the mask it was given.
 - Any other module (the book's classes, a reader's own, anyone's) is run under a
-  TorchFunctionMode that records every softmax over the last dimension of a tensor whose
-  rows are the input's tokens, and every F.scaled_dot_product_attention (its weights
+  TorchFunctionMode that records every softmax over the last dimension of a (tokens,
+  tokens) map of the input's tokens (not a softmax over a vocabulary), and every
+  F.scaled_dot_product_attention whose queries are the input's tokens (its weights
   recomputed by the math formula, which returns none). A score of -inf (or below half the
   dtype's lowest value, as masks built from torch.finfo(dtype).min give) is a masked cell.
 
@@ -229,8 +230,8 @@ class _Recorder(TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if not isinstance(out, torch.Tensor) or not 2 <= out.dim() <= 4 or dim is None:
             return
-        if dim not in (-1, out.dim() - 1) or out.shape[-2] != self.queries:
-            return
+        if dim not in (-1, out.dim() - 1) or out.shape[-2:] != (self.queries, self.queries):
+            return  # not self-attention over the input's tokens (a softmax over a vocabulary)
         lowest = torch.finfo(scores.dtype).min / 2 if scores.is_floating_point() else -math.inf
         allowed = ~(scores <= lowest)  # -inf, or a finfo.min fill
         self._add(out, allowed)
