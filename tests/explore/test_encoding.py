@@ -3,6 +3,8 @@ the Python side (the page's own arithmetic, without a browser)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -98,3 +100,12 @@ def test_a_non_finite_unmasked_value_is_refused_by_name():
     group = Group("mine", weights, torch.tensor(True), ("a",), ("a", "b"), ("l0",))
     with pytest.raises(ValueError, match=r"group 'mine': layer 'l0' head 0 holds nan"):
         encode_group(group, 8)
+
+
+def test_notebook_outputs_are_fragments_with_their_own_ids():
+    result = attnlab.explore()
+    first, second = result._repr_html_(), result._repr_html_()
+    assert "<html" not in first and "<!DOCTYPE" not in first
+    ids = [re.search(r'<div class="axp" id="([\w-]+)">', text).group(1) for text in (first, second)]
+    assert ids[0] != ids[1]
+    assert f'}})("{ids[0]}");' in first  # the script draws its own div only
