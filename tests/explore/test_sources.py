@@ -261,3 +261,25 @@ def test_a_softmax_over_a_vocabulary_is_not_taken_for_attention():
     (group,) = attnlab.explore(_WithProbabilities(), TEXT).capture.groups
     assert group.shape == (1, 1, 6, 6)
     assert group.layer_names == ("attention",)
+
+
+def test_a_llama_with_grouped_query_heads_gives_every_query_head():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=10,
+        max_position_embeddings=32,
+    )
+    model = LlamaModel(config).eval()
+    (group,) = attnlab.explore(model, [1, 2, 3, 4, 5]).capture.groups
+    assert group.shape == (2, 4, 5, 5)
+    assert torch.equal(group.full_mask()[1, 3], torch.ones(5, 5, dtype=torch.bool).tril())
+    reference = models.eager_attentions(model, input_ids=torch.tensor([[1, 2, 3, 4, 5]]))
+    torch.testing.assert_close(group.weights[1], reference.attentions[1][0], rtol=0, atol=0)
