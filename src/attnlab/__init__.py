@@ -5,7 +5,8 @@ reference oracles the rest of the package is checked against. `MultiHeadAttentio
 production module, `attnlab.functional.attention` the kernel under it, `attnlab.masks` the
 masks both take, `attnlab.save`/`attnlab.load` its safetensors checkpoints, `attnlab.interop`
 the conversions (PyTorch, the book, Hugging Face, ONNX), `attnlab.check` the auditor for
-anyone's attention module and `attnlab.parallel` attention across processes.
+anyone's attention module, `attnlab.parallel` attention across processes and
+`attnlab.explore` the interactive explorer of attention maps.
 
 Shapes: `(batch, tokens, d)` at module boundaries, `(batch, heads, tokens, head_dim)` inside.
 A boolean mask is True where a query may attend to a key.
@@ -29,4 +30,14 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 from attnlab.checkpoint import load, save  # after __version__, which checkpoints record
 
-__all__ = ["KVCache", "MultiHeadAttention", "__version__", "load", "save"]
+__all__ = ["KVCache", "MultiHeadAttention", "__version__", "explore", "load", "save"]
+
+
+def __getattr__(name: str):
+    """`attnlab.explore`, imported on first use (it is callable: `attnlab.explore(model,
+    inputs)` is `attnlab.explore.explore(model, inputs)`)."""
+    if name == "explore":
+        import importlib
+
+        return importlib.import_module("attnlab.explore")
+    raise AttributeError(f"module 'attnlab' has no attribute {name!r}")

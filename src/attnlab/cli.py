@@ -10,6 +10,7 @@ from attnlab import __version__, prebuild
 from attnlab.bench.cli import add_parser as add_bench_parser
 from attnlab.bench.cli import run as run_bench
 from attnlab.check import cli as check_cli
+from attnlab.explore import cli as explore_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for the PNG heatmaps (default: %(default)s)",
     )
     check_cli.add_parser(commands)
+    explore_cli.add_parser(commands)
     add_bench_parser(commands)
     prebuild.add_parser(commands)
     return parser
@@ -55,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(parser, args)
     if args.command == "check":
         return check_cli.run(args)
+    if args.command == "explore":
+        return explore_cli.run(args)
     if args.command == "build":
         return prebuild.run(args)
     parser.print_help()

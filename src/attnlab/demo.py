@@ -403,4 +403,8 @@ def run_demo(
     echo(f"\nWrote {len(written)} heatmaps to {out_dir.resolve()}:")
     for path in written:
         echo(f"  {path.name}")
+    echo(
+        "\nTo explore these weights interactively (hover, heads side by side, any model): "
+        "attnlab explore -o attnlab-out/explore.html (one HTML file, works offline)"
+    )
     return written

@@ -1,0 +1,97 @@
+"""Public arguments are checked at the door: TypeError/ValueError naming the argument and
+the value, before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import attnlab
+from attnlab import book
+from attnlab.explore import Capture, Exploration, Group, combine
+from tests.explore import models
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"source": 42}, TypeError, "source must be None .* got int"),
+        ({"inputs": "text"}, ValueError, "inputs does not apply to this source, got 'text'"),
+        ({"max_tokens": 0}, ValueError, "max_tokens"),
+        ({"max_tokens": 2.5}, TypeError, "max_tokens"),
+        ({"max_cells": -1}, ValueError, "max_cells"),
+        ({"precision": 12}, ValueError, r"precision must be 'auto', 8 or 16, got 12"),
+        ({"precision": True}, ValueError, "precision"),
+        ({"causal": "yes"}, TypeError, "causal must be None, True or False, got 'yes'"),
+        ({"title": 3}, TypeError, "title must be a str, got int"),
+    ],
+)
+def test_bad_options(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        attnlab.explore(**kwargs)
+
+
+def test_bad_module_inputs():
+    module = book.CausalAttention(3, 2, 6, 0.0)
+    with pytest.raises(ValueError, match=r"tokens \(2\) must label each of the 6 inputs tokens"):
+        attnlab.explore(module, torch.randn(6, 3), tokens=["a", "b"])
+    with pytest.raises(ValueError, match=r"inputs must be \(tokens, d\) or \(1, tokens, d\), got"):
+        attnlab.explore(module, torch.randn(2, 6, 3))
+    with pytest.raises(ValueError, match="inputs must hold at least one token"):
+        attnlab.explore(module, "   ")
+    with pytest.raises(TypeError, match="inputs must be a text, a list of token strings or a"):
+        attnlab.explore(module, 3.5)
+    with pytest.raises(ValueError, match="tokenizer does not apply to this source"):
+        attnlab.explore(module, "a b", tokenizer=object())
+
+
+def test_a_module_without_attention_is_refused_by_name():
+    with pytest.raises(ValueError, match="no attention weights were seen while running Linear"):
+        attnlab.explore(nn.Linear(4, 4), torch.randn(3, 4))
+
+
+def test_bad_transformers_inputs():
+    pytest.importorskip("transformers")
+    model = models.tiny_gpt2()
+    with pytest.raises(ValueError, match="inputs is a text: give tokenizer="):
+        attnlab.explore(model, "Your journey")
+    with pytest.raises(ValueError, match="inputs is required for a transformers model"):
+        attnlab.explore(model)
+    with pytest.raises(
+        ValueError, match=r"inputs must be one sequence of token ids, got shape \(2, 3\)"
+    ):
+        attnlab.explore(model, torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="inputs must be a text, token ids"):
+        attnlab.explore(model, torch.ones(3))
+    with pytest.raises(ValueError, match="decoder_inputs applies to encoder-decoder models only"):
+        attnlab.explore(model, [1, 2], decoder_inputs=[1])
+
+
+def test_save_and_combine_check_their_arguments(tmp_path):
+    result = attnlab.explore()
+    with pytest.raises(ValueError, match="is a folder"):
+        result.save(tmp_path)
+    with pytest.raises(TypeError, match="path must be a str or a Path, got int"):
+        result.save(3)
+    with pytest.raises(TypeError, match=r"explorations\[1\] must be an Exploration, got str"):
+        combine(result, "x")
+    with pytest.raises(ValueError, match=r"names \(1\) must name each of the 2 explorers"):
+        combine(result, result, names=("a",))
+    with pytest.raises(TypeError, match="capture must be a Capture, got dict"):
+        Exploration({})
+    assert isinstance(result + result, Exploration)
+    with pytest.raises(ValueError, match="capture 't' has no group of maps to show"):
+        Exploration(Capture("t", ()))
+
+
+def test_a_group_checks_its_maps():
+    labels = ("a", "b")
+    with pytest.raises(ValueError, match=r"weights must be \(layers, heads, queries, keys\)"):
+        Group("g", torch.zeros(2, 2), torch.tensor(True), labels, labels, ("l",))
+    with pytest.raises(TypeError, match=r"allowed must be a bool tensor, got a torch\.float32"):
+        Group("g", torch.zeros(1, 1, 2, 2), torch.ones(2, 2), labels, labels, ("l",))
+    with pytest.raises(ValueError, match=r"allowed \(3, 3\) must broadcast to"):
+        Group("g", torch.zeros(1, 1, 2, 2), torch.ones(3, 3).bool(), labels, labels, ("l",))
+    with pytest.raises(ValueError, match=r"layer_names \(2\) must name each of the 1 layers"):
+        Group("g", torch.zeros(1, 1, 2, 2), torch.tensor(True), labels, labels, ("l", "m"))
