@@ -120,13 +120,17 @@ def test_a_transformers_layer_dropping_its_cache_is_named(capsys):
     assert "cached keys and values are not attended" in reference["causes"][0]
 
 
-def test_a_transformers_layer_dropping_its_declared_cap_is_named(capsys):
+@pytest.mark.parametrize("cap", [1.0, None])  # None: Gemma 2's default, 50
+def test_a_transformers_layer_dropping_its_declared_cap_is_named(capsys, cap):
     """A transformers class is held to the scale and cap its config declares (Gemma 2's
-    query_pre_attn_scalar and attn_logit_softcapping): a copy that drops the cap fails."""
+    query_pre_attn_scalar and attn_logit_softcapping): a copy that drops the cap fails,
+    also at the default cap of 50, which changes nothing at unit inputs (the check scales
+    them until it does)."""
     pytest.importorskip("transformers")
-    code, results = _check(capsys, "Gemma2AttentionIgnoringItsCap", GEMMA2_CONFIG)
+    config = GEMMA2_CONFIG if cap else {**LLAMA_CONFIG, "head_dim": 8}
+    code, results = _check(capsys, "Gemma2AttentionIgnoringItsCap", config)
     reference = results["reference"]
-    assert code == 1 and "scores capped at 1" in reference["observed"], reference
+    assert code == 1 and reference["status"] == "failed", reference
     assert "the scores are not capped" in reference["causes"][0], reference["causes"]
 
 

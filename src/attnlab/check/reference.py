@@ -183,6 +183,12 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         split, gap, how = continued
         if isinstance(gap, Exception) or not _close(out[:, split:], gap, tol):
             return failed(NAME, TITLE, *_offset_finding(out[:, split:], gap, split, how))
+    if match is not None and match.consistent and match.softcap is not None:
+        capped = _cap_seen(probe, x, match, causal, tol)
+        if capped is not None and not capped[0]:
+            return failed(NAME, TITLE, capped[1], [BUGS["softcap_missing"]])
+        note = capped[1] if capped else "; the cap changes nothing at inputs up to 64x: unverified"
+        return passed(NAME, TITLE, f"equal to the reference ({_describe(match)}){note}")
     if match is not None and match.consistent:
         return passed(NAME, TITLE, f"equal to the reference ({_describe(match)})")
     if match is not None:
@@ -210,6 +216,33 @@ def check_reference(probe: Probe, tokens: int, seed: int, causal: bool) -> Prope
         "book's listing line by line"
     ]
     return failed(NAME, TITLE, observed, causes)
+
+
+_CAP_FACTORS = (4.0, 16.0, 64.0)  # input scales at which a score cap starts to matter
+
+
+def _cap_seen(probe: Probe, x: torch.Tensor, layout: Layout, causal: bool, tol):
+    """(whether the module caps its scores, what was seen) at the first input scale where
+    the cap changes the reference (a cap of 50 changes nothing at unit inputs); None when
+    none does. x is the float64 input."""
+    for factor in _CAP_FACTORS:
+        scaled = x * factor
+        capped = reference(scaled, layout, causal)
+        uncapped = reference(scaled, layout, causal, "softcap_missing")
+        if _close(capped, uncapped, tol):
+            continue
+        with torch.no_grad():
+            out = probe(scaled.to(probe.dtype)).double()
+        seen = f"inputs scaled {factor:g}x, where the cap changes the reference by up to "
+        seen += f"{_gap(capped, uncapped):.3g}"
+        if _close(out, capped, tol):
+            return True, f"; the cap seen at {seen}"
+        gap_capped, gap_uncapped = _gap(out, capped), _gap(out, uncapped)
+        return gap_uncapped >= gap_capped, (
+            f"at {seen}, the output differs from the capped reference by up to "
+            f"{gap_capped:.3g} and from the uncapped one by {gap_uncapped:.3g}"
+        )
+    return None
 
 
 def _continued(probe: Probe, x: torch.Tensor, out: torch.Tensor):

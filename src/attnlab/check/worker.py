@@ -46,6 +46,10 @@ def main() -> None:
     os.dup2(2, 1)  # the module's prints go to stderr, never into the events
     sys.stdout = sys.stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # one thread: the audit's tensors are a few tokens wide, and OpenMP threads waiting
+    # for each other on a busy machine made an audit take 13-52 s instead of 3 (an outside
+    # tester's runs, 2 shared cores); the results are the same
+    torch.set_num_threads(1)
 
     def emit(event: str, **fields) -> None:
         channel.write(json.dumps({"event": event, **fields}) + "\n")
