@@ -9,9 +9,11 @@ environment: attnlab._build keys the build by torch, Python, compiler, flags and
 symbols, macOS) attnlab warns once in one line and uses PyTorch's kernel instead.
 ATTNLAB_NO_EXTENSION=1 turns it off. "auto" takes it only where it wins (`preferred`).
 
-The backward pass is PyTorch's own flash backward, fed this kernel's output and
-logsumexp (the same gradients), called on chunks of keys so that it too skips most of the
-work above the diagonal.
+The backward pass is the kernel's own (causal_flash_backward, same file): the probabilities
+recomputed from the forward's logsumexp over the same causal cut, grouped-query heads read
+in place (no key or value repeated per query head), memory linear in the tokens. Every call
+the forward takes (bias, key ranges, sinks as a biased key, causal or not) has it; dropout
+and softcap never reach this kernel (functional sends them to SDPA and math).
 """
 
 from __future__ import annotations
