@@ -209,7 +209,7 @@ def test_auto_takes_sdpa_on_macos_without_building(monkeypatch):
 def test_without_a_compiler_one_warning_line_and_pytorch(tmp_path):
     code = (
         "import torch; from attnlab.functional import attention;"
-        "q = torch.randn(1, 2, 64, 8);"
+        "q = torch.randn(1, 2, 128, 8);"
         "out = attention(q, q, q, causal=True, backend='auto');"
         "print(torch.allclose(out, attention(q, q, q, causal=True, backend='math'), atol=1e-5))"
     )
@@ -413,3 +413,24 @@ def test_dropout_is_routed_to_sdpa_with_the_same_mask_per_seed(monkeypatch):
         assert torch.equal(grad, same)
     no_dropout = attention(q, k, v, causal=True, backend="math")
     assert not torch.allclose(out, no_dropout, atol=1e-3)  # dropout did apply
+
+
+@pytest.mark.parametrize(
+    ("tokens", "requires_grad", "kernel"),
+    [
+        (functional._FLASH_MIN_QUERIES, False, True),
+        (functional._FLASH_MIN_QUERIES - 1, False, False),
+        (functional._FLASH_MIN_QUERIES_TRAINING, True, True),
+        (functional._FLASH_MIN_QUERIES_TRAINING - 1, True, False),
+    ],
+)
+def test_auto_takes_the_kernel_from_the_measured_crossover(tokens, requires_grad, kernel):
+    """Fewer queries than the crossover go to SDPA, forward only or differentiated."""
+    if not flash_cpu.preferred():
+        pytest.skip("auto does not take the kernel on this machine")
+    q, k, v = (t.requires_grad_(requires_grad) for t in _qkv(1, 4, 2, tokens, tokens, 16, seed=22))
+    assert functional._flash_helps((q, k, v), True, 0.0) is kernel
+    with torch.no_grad():  # no graph recorded: the forward's threshold
+        assert functional._flash_helps((q, k, v), True, 0.0) is (
+            tokens >= functional._FLASH_MIN_QUERIES
+        )

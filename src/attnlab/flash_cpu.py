@@ -30,7 +30,7 @@ from attnlab.strides import dense_rows
 _SOURCE = Path(__file__).with_name("csrc") / "causal_attention.cpp"
 _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT = 128, 512, 32  # rows, keys, diagonal rows per tile
 # the backward's tiles: query rows, keys per block, diagonal rows
-_BACKWARD_Q_SPLIT, _BACKWARD_KV_SPLIT, _BACKWARD_DIAG_SPLIT = 128, 128, 32
+_BACKWARD_Q_SPLIT, _BACKWARD_KV_SPLIT, _BACKWARD_DIAG_SPLIT = 256, 128, 32
 
 
 @functools.cache
