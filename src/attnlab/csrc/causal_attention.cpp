@@ -535,12 +535,15 @@ std::vector<at::Tensor> causal_flash_backward(
   }
 
   // Tasks: (b, kv head, share of keys). One share unless there are fewer (b, kv head) pairs
-  // than threads; each extra share has its own dQ buffer.
+  // than threads; each extra share has its own dQ buffer, so at most kMaxShares of them
+  // (the extra memory is at most kMaxShares - 1 times q's; more threads than pairs x
+  // kMaxShares leave some idle).
+  constexpr int64_t kMaxShares = 8;
   const int64_t pairs = batch * kv_heads;
   const int64_t kv_blocks = (tk + kv_split - 1) / kv_split;
   const int64_t threads = at::get_num_threads();
-  const int64_t shares =
-      std::clamp<int64_t>(pairs >= threads ? 1 : (threads + pairs - 1) / pairs, 1, kv_blocks);
+  const int64_t wanted = pairs >= threads ? 1 : (threads + pairs - 1) / pairs;
+  const int64_t shares = std::clamp<int64_t>(std::min(wanted, kMaxShares), 1, kv_blocks);
   at::Tensor partial_q;  // (shares - 1, b, hq, tq, d): the dQ of shares 1.. of each pair
   if (shares > 1) partial_q = at::zeros({shares - 1, batch, heads, tq, dim}, q.options());
   float* partial_data = shares > 1 ? partial_q.data_ptr<float>() : nullptr;
