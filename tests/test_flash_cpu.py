@@ -435,3 +435,24 @@ def test_auto_takes_the_kernel_from_the_measured_crossover(tokens, requires_grad
         assert functional._flash_helps((q, k, v), True, 0.0) is (
             tokens >= functional._FLASH_MIN_QUERIES
         )
+
+
+def test_the_kernel_and_its_backward_trace_under_compile():
+    """flash_cpu.attention (the autograd.Function over both ops, their fake kernels) traces
+    under torch.compile(fullgraph=True), forward and backward equal to eager, grouped heads
+    and a bias included."""
+    if not flash_cpu.available():
+        pytest.skip("the CPU kernel is not built here")
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 150, 150, 16, seed=23))
+    bias = torch.randn(1, 1, 150, 150, generator=torch.Generator().manual_seed(24))
+
+    def run(q, k, v):
+        return flash_cpu.attention(q, k, v, bias, 0.25, True)
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    out, expected = compiled(q, k, v), run(q, k, v)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for grad, ref in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=0, rtol=0)
