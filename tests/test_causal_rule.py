@@ -150,7 +150,7 @@ def float64_attention(q, k, v, allowed):
 
 
 # (tq, tk): one token, more keys, square, more queries (the first see no key), past the
-# kernel's diagonal and query blocks, past the backward's 256-key chunks
+# kernel's diagonal and query blocks, past the backward's 128-key blocks
 SHAPES = [(1, 1), (3, 7), (7, 7), (7, 3), (40, 40), (33, 70), (70, 33), (130, 130)]
 SHAPES += [(20, 300), (300, 300)]
 
@@ -171,7 +171,7 @@ def test_sdpa_is_causal_is_top_left_and_the_rule_only_when_square(tq, tk):
 @pytest.mark.parametrize(("tq", "tk"), SHAPES)
 def test_every_backend_attends_where_the_predicate_allows(backend, tq, tk):
     """Forward and backward of attention(causal=True): SDPA's is_causal (square), the C++
-    kernel (flash, auto) and its chunked square backward, the predicate's mask elsewhere."""
+    kernel (flash, auto) forward and its own backward, the predicate's mask elsewhere."""
     if backend == "flash" and not FLASH:
         pytest.skip("the C++ causal kernel is unavailable here")
     q, k, v = one_hot_inputs(2, 4, 2, tq, tk, seed=tq + tk)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab import _build, flash_cpu, functional, masks
@@ -209,7 +209,7 @@ def test_auto_takes_sdpa_on_macos_without_building(monkeypatch):
 def test_without_a_compiler_one_warning_line_and_pytorch(tmp_path):
     code = (
         "import torch; from attnlab.functional import attention;"
-        "q = torch.randn(1, 2, 64, 8);"
+        "q = torch.randn(1, 2, 128, 8);"
         "out = attention(q, q, q, causal=True, backend='auto');"
         "print(torch.allclose(out, attention(q, q, q, causal=True, backend='math'), atol=1e-5))"
     )
@@ -223,3 +223,236 @@ def test_without_a_compiler_one_warning_line_and_pytorch(tmp_path):
     assert len(warned) == 1, result.stderr
     assert "no C++ compiler" in warned[0] and "ATTNLAB_NO_EXTENSION=1" in warned[0]
     assert "ninja" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel's own backward (causal_flash_backward): gradients against a float64 reference.
+# The kernel is float32 only (so no gradcheck in float64): its float32 gradients are compared
+# with the math backend's in float64 on the same values, with explicit tolerances.
+
+GRAD_ATOL, GRAD_RTOL = 2e-5, 1e-4
+
+
+def _float64_grads(q, k, v, grad_out, **kwargs):
+    """Output and gradients of the math backend in float64 (the reference)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    mask = kwargs.pop("mask", None)
+    mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    out = attention(*leaves, mask=mask, backend="math", **kwargs)
+    return out, torch.autograd.grad(out, leaves, grad_out.double())
+
+
+def _kernel_grads(q, k, v, grad_out, **kwargs):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, backend="flash", **kwargs)
+    return out, torch.autograd.grad(out, leaves, grad_out)
+
+
+def _assert_grads_match_float64(q, k, v, seed=0, **kwargs):
+    shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    out, grads = _kernel_grads(q, k, v, grad_out, **kwargs)
+    ref_out, ref_grads = _float64_grads(q, k, v, grad_out, **kwargs)
+    torch.testing.assert_close(out.double(), ref_out, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for name, grad, ref in zip("qkv", grads, ref_grads, strict=True):
+        assert grad.dtype == torch.float32 and grad.shape == ref.shape
+        torch.testing.assert_close(
+            grad.double(), ref, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, n=name: f"d{n}: {m}"
+        )
+    return grads
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "tq", "tk", "d"),
+    [
+        (2, 4, 4, 300, 300, 64),  # several backward blocks and diagonal sub-blocks
+        (1, 12, 4, 257, 257, 32),  # grouped-query, a block and one row
+        (2, 6, 1, 130, 130, 16),  # multi-query
+        (1, 2, 2, 40, 300, 16),  # fewer queries than keys: the newest tokens
+        (1, 2, 2, 300, 40, 8),  # more queries than keys: the first see none
+        (1, 3, 3, 1, 1, 8),  # one token
+    ],
+)
+def test_backward_equals_a_float64_reference(b, hq, hkv, tq, tk, d):
+    _assert_grads_match_float64(*_qkv(b, hq, hkv, tq, tk, d, seed=tq * 7 + tk), causal=True)
+
+
+def test_backward_non_causal_with_a_float_mask():
+    q, k, v = _qkv(2, 4, 2, 150, 170, 16, seed=11)
+    bias = torch.randn(2, 1, 150, 170, generator=torch.Generator().manual_seed(12))
+    bias[0, :, :, 3:40] = -torch.inf
+    bias[1, :, 7] = -torch.inf  # a row with no key: zero gradients, never NaN
+    grads = _assert_grads_match_float64(q, k, v, mask=bias, causal=False)
+    assert (grads[0][1, :, 7] == 0).all()
+
+
+def test_backward_with_sinks_through_the_kernel():
+    """Sinks reach the kernel as one more key with a bias (functional._with_sink_key); the
+    kernel's gradients for q, k, v equal the reference's."""
+    q, k, v = _qkv(1, 4, 2, 90, 90, 16, seed=13)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(14))
+    grad_out = torch.randn(1, 4, 90, 16, generator=torch.Generator().manual_seed(15))
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        kernel = flash_cpu.attention
+        patch.setattr(flash_cpu, "attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+        out, grads = _kernel_grads(q, k, v, grad_out, causal=True, sinks=sinks)
+    assert calls
+    ref_out, ref_grads = _float64_grads(q, k, v, grad_out, causal=True, sinks=sinks.double())
+    torch.testing.assert_close(out.double(), ref_out, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad.double(), ref, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+@pytest.mark.parametrize(("q_split", "kv_split", "diag_split"), [(3, 5, 2), (7, 7, 7), (1, 1, 1)])
+def test_backward_any_block_sizes(q_split, kv_split, diag_split, monkeypatch):
+    """Blocks that do not divide the tokens, and one-row / one-key blocks."""
+    monkeypatch.setattr(flash_cpu, "_BACKWARD_Q_SPLIT", q_split)
+    monkeypatch.setattr(flash_cpu, "_BACKWARD_KV_SPLIT", kv_split)
+    monkeypatch.setattr(flash_cpu, "_BACKWARD_DIAG_SPLIT", diag_split)
+    q, k, v = _qkv(2, 4, 2, 23, 29, 8, seed=16)
+    _assert_grads_match_float64(q, k, v, causal=True)
+    keep = torch.ones(2, 29, dtype=torch.bool)
+    keep[0, :6] = False
+    _assert_grads_match_float64(q, k, v, mask=masks.padding_mask(keep), causal=False)
+
+
+@pytest.mark.parametrize("threads", [3, 8, 12])
+def test_backward_with_more_threads_than_kv_heads(threads):
+    """Fewer (batch, kv head) pairs than threads: each pair's keys are shared between tasks
+    (as many as threads, at most 8, at most one per 128-key block: 9 blocks here), each with
+    its own query-gradient buffer, added up at the end."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_grads_match_float64(*_qkv(1, 4, 1, 1100, 1100, 16, seed=17), causal=True)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_backward_padded_key_ranges():
+    """Key ranges (a padded batch run as each sequence's real keys): left, right, none."""
+    q, k, v = _qkv(3, 4, 2, 100, 100, 16, seed=18)
+    grad_out = torch.randn(3, 4, 100, 16, generator=torch.Generator().manual_seed(19))
+    starts, ends = torch.tensor([0, 30, 100]), torch.tensor([100, 80, 100])
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_cpu.attention(*leaves, None, 0.25, True, key_ranges=(starts, ends))
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    keys = torch.arange(100)
+    keep = (keys >= starts[:, None]) & (keys < ends[:, None])  # (b, t)
+    allowed = masks.padding_mask(keep) & masks.causal_mask(100, 100)
+    ref_out, ref_grads = _float64_grads(q, k, v, grad_out, mask=allowed, scale=0.25)
+    torch.testing.assert_close(out.double(), ref_out, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad.double(), ref, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    assert (grads[0][2] == 0).all() and (grads[1][2] == 0).all()  # no real key: no gradient
+
+
+def _layout(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as `t` (b, h, n, d), stored another way."""
+    if how == "tokens_first":  # (b, n, h, d) storage, as a projection's output is
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if how == "padded_rows":  # each token row inside a wider row
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 5)
+        wide[..., : t.shape[-1]] = t
+        return wide[..., : t.shape[-1]]
+    if how == "features_stepped":  # copied by dense_rows before the kernel reads it
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1])
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    return t
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    tq=st.integers(1, 80),
+    extra_keys=st.integers(-20, 40),
+    d=st.sampled_from([1, 3, 8, 16]),
+    causal=st.booleans(),
+    mask_kind=st.sampled_from(["none", "bias", "padding", "bias_per_head"]),
+    layout=st.sampled_from(["contiguous", "tokens_first", "padded_rows", "features_stepped"]),
+    seed=st.integers(0, 2**16),
+)
+def test_backward_equals_float64_for_any_shape_mask_and_layout(
+    b, hkv, groups, tq, extra_keys, d, causal, mask_kind, layout, seed
+):
+    tk = max(1, tq + extra_keys)
+    q, k, v = _qkv(b, hkv * groups, hkv, tq, tk, d, seed)
+    q, k, v = (_layout(t, layout) for t in (q, k, v))
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = None
+    if mask_kind == "bias":
+        mask = torch.randn(b, 1, tq, tk, generator=g)
+    elif mask_kind == "bias_per_head":
+        mask = torch.randn(1, hkv * groups, tq, tk, generator=g)
+        mask[..., : tk // 3] = -torch.inf
+    elif mask_kind == "padding":
+        keep = torch.rand(b, tk, generator=g) > 0.3
+        mask = masks.padding_mask(keep)
+    _assert_grads_match_float64(q, k, v, seed=seed, mask=mask, causal=causal)
+
+
+def test_dropout_is_routed_to_sdpa_with_the_same_mask_per_seed(monkeypatch):
+    """The kernel has no dropout (forward or backward): "auto" sends a training call with
+    dropout to PyTorch's SDPA (the named fallback), whose gradients under one seed are the
+    gradients of the output that seed gave; the kernel is never called."""
+    monkeypatch.setattr(flash_cpu, "attention", lambda *a, **kw: pytest.fail("kernel called"))
+    q, k, v = _qkv(1, 4, 2, 64, 64, 16, seed=20)
+
+    def run():
+        torch.manual_seed(21)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, causal=True, dropout_p=0.3, training=True)
+        return out, torch.autograd.grad(out.square().sum(), leaves)
+
+    (out, grads), (again, grads_again) = run(), run()
+    assert torch.equal(out, again)
+    for grad, same in zip(grads, grads_again, strict=True):
+        assert torch.equal(grad, same)
+    no_dropout = attention(q, k, v, causal=True, backend="math")
+    assert not torch.allclose(out, no_dropout, atol=1e-3)  # dropout did apply
+
+
+@pytest.mark.parametrize(
+    ("tokens", "requires_grad", "kernel"),
+    [
+        (functional._FLASH_MIN_QUERIES, False, True),
+        (functional._FLASH_MIN_QUERIES - 1, False, False),
+        (functional._FLASH_MIN_QUERIES_TRAINING, True, True),
+        (functional._FLASH_MIN_QUERIES_TRAINING - 1, True, False),
+    ],
+)
+def test_auto_takes_the_kernel_from_the_measured_crossover(tokens, requires_grad, kernel):
+    """Fewer queries than the crossover go to SDPA, forward only or differentiated."""
+    if not flash_cpu.preferred():
+        pytest.skip("auto does not take the kernel on this machine")
+    q, k, v = (t.requires_grad_(requires_grad) for t in _qkv(1, 4, 2, tokens, tokens, 16, seed=22))
+    assert functional._flash_helps((q, k, v), True, 0.0) is kernel
+    with torch.no_grad():  # no graph recorded: the forward's threshold
+        assert functional._flash_helps((q, k, v), True, 0.0) is (
+            tokens >= functional._FLASH_MIN_QUERIES
+        )
+
+
+def test_the_kernel_and_its_backward_trace_under_compile():
+    """flash_cpu.attention (the autograd.Function over both ops, their fake kernels) traces
+    under torch.compile(fullgraph=True), forward and backward equal to eager, grouped heads
+    and a bias included."""
+    if not flash_cpu.available():
+        pytest.skip("the CPU kernel is not built here")
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 150, 150, 16, seed=23))
+    bias = torch.randn(1, 1, 150, 150, generator=torch.Generator().manual_seed(24))
+
+    def run(q, k, v):
+        return flash_cpu.attention(q, k, v, bias, 0.25, True)
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    out, expected = compiled(q, k, v), run(q, k, v)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for grad, ref in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=0, rtol=0)

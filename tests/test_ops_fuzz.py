@@ -333,9 +333,66 @@ FLASH_CASES = [
     ("diag_split_past_kv_split", "diag_split", lambda a: {"diag_split": 513}),
 ]
 
+# ---------------------------------------------------------------------------------------------
+# causal_flash_backward: the forward's arguments (each case of FLASH_CASES again) and grad_out,
+# output (q's shape and row layout), lse (b, hq, tq) contiguous
+
+
+def flash_backward_args() -> dict:
+    forward = flash_args()
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(FB, TQ, HQ, D, generator=g).transpose(1, 2)  # as the forward stores it
+    return dict(
+        grad_out=torch.randn(FB, HQ, TQ, D, generator=g),
+        q=forward["q"],
+        k=forward["k"],
+        v=forward["v"],
+        output=out,
+        lse=torch.randn(FB, HQ, TQ, generator=g),
+        **{name: forward[name] for name in ("mask", "key_start", "key_end", "scale", "causal")},
+        q_split=128,
+        kv_split=128,
+        diag_split=32,
+    )
+
+
+def _expanded(*shape):
+    """Random values of `shape` expanded to (FB, HQ, TQ, D) (stride 0 where shape has 1)."""
+    return torch.randn(*shape).expand(FB, HQ, TQ, D)
+
+
+def _stepped(*shape):
+    """Random values of `shape` whose features are every other element of a wider row."""
+    *lead, last = shape
+    return torch.randn(*lead, 2 * last)[..., ::2]
+
+
+FLASH_BACKWARD_CASES = [
+    *FLASH_CASES,
+    ("valid_non_square_blocks", None, lambda a: {"q_split": 3, "kv_split": 7, "diag_split": 7}),
+    ("valid_grad_out_expanded_batch", None, lambda a: {"grad_out": _expanded(1, HQ, TQ, D)}),
+    ("grad_out_rank_3", "grad_out", lambda a: {"grad_out": torch.randn(HQ, TQ, D)}),
+    ("grad_out_float64", "grad_out", lambda a: {"grad_out": a["grad_out"].double()}),
+    ("grad_out_more_tokens", "grad_out", lambda a: {"grad_out": torch.randn(FB, HQ, TQ + 1, D)}),
+    ("grad_out_fewer_heads", "grad_out", lambda a: {"grad_out": torch.randn(FB, HKV, TQ, D)}),
+    ("grad_out_features_strided", "grad_out", lambda a: {"grad_out": _stepped(FB, HQ, TQ, D)}),
+    ("grad_out_tokens_expanded", "grad_out", lambda a: {"grad_out": _expanded(FB, HQ, 1, D)}),
+    ("output_bfloat16", "output", lambda a: {"output": a["output"].bfloat16()}),
+    ("output_batch_1", "output", lambda a: {"output": torch.randn(1, HQ, TQ, D)}),
+    ("output_head_dim_4", "output", lambda a: {"output": torch.randn(FB, HQ, TQ, 4)}),
+    ("output_features_strided", "output", lambda a: {"output": _stepped(FB, HQ, TQ, D)}),
+    ("lse_rank_4", "lse", lambda a: {"lse": torch.randn(FB, HQ, TQ, 1)}),
+    ("lse_float64", "lse", lambda a: {"lse": a["lse"].double()}),
+    ("lse_fewer_tokens", "lse", lambda a: {"lse": torch.randn(FB, HQ, TQ - 1)}),
+    ("lse_kv_heads", "lse", lambda a: {"lse": torch.randn(FB, HKV, TQ)}),
+    ("lse_non_contiguous", "lse", lambda a: {"lse": torch.randn(FB, HQ, 2 * TQ)[..., ::2]}),
+    ("lse_empty", "lse", lambda a: {"lse": torch.empty(0)}),
+]
+
 OPS = {
     "decode_step": ("attnlab_decode", decode_cpu, decode_args, DECODE_CASES),
     "causal_flash_forward": ("attnlab", flash_cpu, flash_args, FLASH_CASES),
+    "causal_flash_backward": ("attnlab", flash_cpu, flash_backward_args, FLASH_BACKWARD_CASES),
     "decode_step_direct": (None, decode_cpu, decode_args, DECODE_CASES),
 }
 # a face of an op bound directly for Python (pybind11, as the module calls it) -> the op whose
@@ -346,6 +403,7 @@ VALID_SHAPES = {  # what a valid call returns: shapes of its tensors
     "decode_step": [[B, 1, D_OUT]],
     "decode_step_direct": [[B, 1, D_OUT]],
     "causal_flash_forward": [[FB, HQ, TQ, D], [FB, HQ, TQ]],
+    "causal_flash_backward": [[FB, HQ, TQ, D], [FB, HKV, TK, D], [FB, HKV, TK, D]],
 }
 
 
@@ -587,6 +645,20 @@ def test_compile_traces_both_ops_in_one_graph():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     torch.testing.assert_close(decode_kwargs["keys_t"], eager_decode["keys_t"], atol=0, rtol=0)
     assert decode_kwargs["keys_t"].abs().sum() > 0  # the compiled call wrote the cache
+
+
+def test_compile_traces_the_backward_op():
+    """The backward op traces under torch.compile(fullgraph=True) (its fake kernel) with the
+    eager call's results."""
+    backward, kwargs = _op_and_args("causal_flash_backward")
+
+    def grads(kwargs):
+        dq, dk, dv = backward(**kwargs)
+        return dq * 2, dk + 1, dv
+
+    compiled = torch.compile(grads, fullgraph=True, backend="aot_eager")
+    for got, expected in zip(compiled(kwargs), grads(kwargs), strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 if __name__ == "__main__":  # the subprocess of _run_cases

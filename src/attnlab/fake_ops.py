@@ -10,7 +10,9 @@ valid call and only states what it returns.
 Shapes: decode_step x (b, 1, d_in) or (b, d_in), w_out (d_out, d_out) -> (b, 1, d_out)
 float32 (the real op returns an empty tensor instead when x holds a NaN or an infinity; the
 fake gives the normal shape); causal_flash_forward q (b, hq, tq, d) -> [out (b, hq, tq, d)
-stored (b, tq, hq, d), lse (b, hq, tq)], float32.
+stored (b, tq, hq, d), lse (b, hq, tq)], float32; causal_flash_backward grad_out, q (b, hq,
+tq, d), k, v (b, hkv, tk, d) -> [dq (b, hq, tq, d), dk, dv (b, hkv, tk, d)], contiguous
+float32.
 """
 
 from __future__ import annotations
@@ -36,10 +38,22 @@ def _causal_flash_forward(
     return [out.transpose(1, 2), lse]  # (b, hq, tq, d) stored (b, tq, hq, d)
 
 
+def _causal_flash_backward(
+    grad_out, q, k, v, output, lse, mask, key_start, key_end, scale, causal, q_split, kv_split,
+    diag_split,
+):  # fmt: skip
+    return [
+        q.new_empty(q.shape, dtype=torch.float32),  # (b, hq, tq, d)
+        k.new_empty(k.shape, dtype=torch.float32),  # (b, hkv, tk, d)
+        v.new_empty(v.shape, dtype=torch.float32),
+    ]
+
+
 # (namespace, op name) -> its fake kernel
 _FAKES = {
     ("attnlab_decode", "decode_step"): _decode_step,
     ("attnlab", "causal_flash_forward"): _causal_flash_forward,
+    ("attnlab", "causal_flash_backward"): _causal_flash_backward,
 }
 
 

@@ -9,9 +9,11 @@ environment: attnlab._build keys the build by torch, Python, compiler, flags and
 symbols, macOS) attnlab warns once in one line and uses PyTorch's kernel instead.
 ATTNLAB_NO_EXTENSION=1 turns it off. "auto" takes it only where it wins (`preferred`).
 
-The backward pass is PyTorch's own flash backward, fed this kernel's output and
-logsumexp (the same gradients), called on chunks of keys so that it too skips most of the
-work above the diagonal.
+The backward pass is the kernel's own (causal_flash_backward, same file): the probabilities
+recomputed from the forward's logsumexp over the same causal cut, grouped-query heads read
+in place (no key or value repeated per query head), memory linear in the tokens. Every call
+the forward takes (bias, key ranges, sinks as a biased key, causal or not) has it; dropout
+and softcap never reach this kernel (functional sends them to SDPA and math).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from pathlib import Path
 
 import torch
 
-from attnlab import _build, heads, masks
+from attnlab import _build
 from attnlab.strides import dense_rows
 
 _SOURCE = Path(__file__).with_name("csrc") / "causal_attention.cpp"
 _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT = 128, 512, 32  # rows, keys, diagonal rows per tile
+# the backward's tiles: query rows, keys per block, diagonal rows
+_BACKWARD_Q_SPLIT, _BACKWARD_KV_SPLIT, _BACKWARD_DIAG_SPLIT = 256, 128, 32
 
 
 @functools.cache
@@ -76,8 +80,8 @@ def attention(
 
 
 class _Flash(torch.autograd.Function):
-    """Forward: attnlab's kernel; backward: PyTorch's flash backward from its output and
-    logsumexp."""
+    """Forward and backward: attnlab's kernel (the backward recomputes the probabilities
+    from the forward's logsumexp)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, causal, key_ranges):
@@ -87,78 +91,33 @@ class _Flash(torch.autograd.Function):
         out, lse = torch.ops.attnlab.causal_flash_forward(
             q, k, v, mask, starts, ends, scale, causal, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
         )
-        if key_ranges is not None:  # the backward reads the ranges as an additive mask
-            mask = _ranges_mask(starts, ends, q.shape[2], k.shape[2], mask)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.save_for_backward(q, k, v, out, lse, mask, starts, ends)
         ctx.scale, ctx.causal = scale, causal
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        hq, tq = q.shape[1], q.shape[2]
-        hkv, tk = k.shape[1], k.shape[2]
-        groups = hq // hkv
-        # PyTorch's backward wants one key/value head per query head
-        k, v = heads.repeat_kv(k, groups), heads.repeat_kv(v, groups)  # (b, hq, tk, d)
-        grad_out = grad_out.contiguous()
-        if ctx.causal and tq == tk:
-            grads = _square_backward(grad_out, q, k, v, out, lse, mask, ctx.scale)
-        else:  # PyTorch's is_causal is top-left aligned: pass the bottom-right mask instead
-            attn_mask = mask if mask.numel() else None
-            if ctx.causal:
-                causal = masks.to_additive(masks.causal_mask(tq, tk, device=q.device))
-                attn_mask = causal if attn_mask is None else attn_mask + causal  # (.., tq, tk)
-            grads = _FLASH_BACKWARD(
-                grad_out, q, k, v, out, lse, 0.0, False, attn_mask=attn_mask, scale=ctx.scale
-            )
-        grad_q, grad_k, grad_v = grads
-        grad_k, grad_v = heads.sum_groups(grad_k, groups), heads.sum_groups(grad_v, groups)
+        q, k, v, out, lse, mask, starts, ends = ctx.saved_tensors
+        grad_q, grad_k, grad_v = torch.ops.attnlab.causal_flash_backward(
+            dense_rows(grad_out),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            mask,
+            starts,
+            ends,
+            ctx.scale,
+            ctx.causal,
+            _BACKWARD_Q_SPLIT,
+            _BACKWARD_KV_SPLIT,
+            _BACKWARD_DIAG_SPLIT,
+        )
         return grad_q, grad_k, grad_v, None, None, None, None
 
 
 _NONE = torch.empty(0, dtype=torch.long)
-
-
-def _ranges_mask(
-    starts: torch.Tensor, ends: torch.Tensor, tq: int, tk: int, bias: torch.Tensor
-) -> torch.Tensor:
-    """Key ranges (and any bias) as one additive float32 mask (b, 1|hq, tq, tk)."""
-    keys = torch.arange(tk, device=starts.device)
-    inside = (keys >= starts[:, None]) & (keys < ends[:, None])  # (b, tk)
-    ranges = masks.to_additive(inside[:, None, None, :]).expand(-1, 1, tq, tk)  # (b,1,tq,tk)
-    return ranges if not bias.numel() else bias + ranges
-
-
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_BACKWARD_KEYS = 256  # keys per backward call (measured 9% faster than one call at 1024)
-
-
-def _square_backward(grad_out, q, k, v, out, lse, mask, scale):
-    """PyTorch's causal flash backward over chunks of keys: chunk [s, s + n) is seen only by
-    queries s onward, with PyTorch's top-left causal mask exactly right for them, so the
-    work above the diagonal is skipped in chunks (given the full output and logsumexp, each
-    chunk's gradients are exact; the query gradients add up)."""
-    tokens = q.shape[2]
-    grad_q = torch.zeros_like(q)
-    grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
-    for s in range(0, tokens, _BACKWARD_KEYS):
-        keys = slice(s, s + _BACKWARD_KEYS)
-        chunk_mask = mask[:, :, s:, keys] if mask.numel() else None
-        dq, grad_k[:, :, keys], grad_v[:, :, keys] = _FLASH_BACKWARD(
-            grad_out[:, :, s:],
-            q[:, :, s:],
-            k[:, :, keys],
-            v[:, :, keys],
-            out[:, :, s:],
-            lse[:, :, s:],
-            0.0,
-            True,
-            attn_mask=chunk_mask,
-            scale=scale,
-        )
-        grad_q[:, :, s:] += dq
-    return grad_q, grad_k, grad_v
 
 
 def _broadcast_4d(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

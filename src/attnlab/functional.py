@@ -13,7 +13,8 @@ the weights), "sdpa" (torch.nn.functional.scaled_dot_product_attention) and "fla
 masked half).
 "auto" takes math when the weights are asked for or a few queries read a CPU KV cache
 (keys stored tokens-last, where its matrix products are faster), flash for causal float32
-CPU attention without dropout, and sdpa otherwise.
+CPU attention without dropout from the measured crossover (96 queries when differentiated,
+128 otherwise), and sdpa otherwise.
 """
 
 from __future__ import annotations
@@ -516,17 +517,33 @@ def _padded_key_ranges(qkv, mask, causal, backend) -> tuple[torch.Tensor, torch.
     return padded.key_ranges(mask, causal)
 
 
+# Queries from which "auto" takes the kernel over SDPA: the measured crossover of
+# attention(backend="flash") against attention(backend="sdpa"), causal float32, (b, 12, t,
+# 64) with 12 and 1 key/value heads, b 1 and 2, least single-thread CPU time of 9 interleaved
+# rounds, AMD EPYC (Zen 4), torch 2.13, measured with
+#   python scripts/kernel_crossover.py 33,64,96,128,160,192,256 9 1   (and ... 9 2)
+# forward under no_grad: 0.67-0.80x at 33-64 queries, 0.89-0.96x at 96, 1.01-1.05x at 128,
+# 1.02-1.16x at 160-192, 1.11-1.26x at 256; forward + backward (a call that records a graph):
+# 0.96-1.01x at 64 queries, 1.13-1.18x at 96, 1.27-1.29x at 128, 1.47-1.53x at 256. Above
+# 256 queries the kernel led at every length measured (attnlab bench --kernel).
+_FLASH_MIN_QUERIES = 128
+_FLASH_MIN_QUERIES_TRAINING = 96
+
+
 def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) -> bool:
-    """Causal float32 attention on the CPU with more than a few queries, where attnlab's
-    kernel wins (flash_cpu.preferred: its vectorised build, loaded): it skips the masked
-    half that PyTorch's computes in part. Not under torch.compile, which traces SDPA into
-    its own graph instead."""
+    """Causal float32 attention on the CPU with enough queries that attnlab's kernel wins
+    (the measured crossover above: fewer when the call will be differentiated, where the
+    kernel's backward leads by more), in its vectorised build, loaded
+    (flash_cpu.preferred): it skips the masked half that PyTorch's computes in part. Not
+    under torch.compile, which traces SDPA into its own graph instead."""
     q, k, _ = qkv
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in qkv)
+    least = _FLASH_MIN_QUERIES_TRAINING if training else _FLASH_MIN_QUERIES
     return (
         causal
         and not torch.compiler.is_compiling()
         and dropout_p == 0.0
-        and q.shape[2] > 32
+        and q.shape[2] >= least
         and k.shape[2] > 0
         and flash_cpu.supports(q.dtype, q.device, tuple(t.shape[-1] for t in qkv))
         and flash_cpu.preferred()

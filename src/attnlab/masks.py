@@ -204,17 +204,16 @@ def position_mask(
     and visible_keys (the same bounds as a range of keys). Every Python path takes one of
     these: MultiHeadAttention's positional mask (this, with a cache's slot positions, or
     sliding_window_mask), functional.attention's bottom-right mask (more keys than queries,
-    a user mask, sinks, the math backend), flash_cpu's backward off the square, padded's
-    key ranges, the ring's explicit diagonal blocks, KVCache.native_slots (visible_keys,
-    the slots the native decode step reads), interop.hf's top-left calls (visible_keys),
-    alibi.bias (aligned_positions).
+    a user mask, sinks, the math backend), padded's key ranges, the ring's explicit diagonal
+    blocks, KVCache.native_slots (visible_keys, the slots the native decode step reads),
+    interop.hf's top-left calls (visible_keys), alibi.bias (aligned_positions).
 
     Places that rely on another implementation of the rule, each proven equal to it in
     tests/test_causal_rule.py (the keys attended to, read off one-hot values and one-hot
     gradients): PyTorch's top-left is_causal, used only where it is the same mask (square:
-    functional's "sdpa" backend without a mask, flash_cpu's square backward in key chunks,
-    the ring's fused diagonal blocks); the C++ causal kernel behind flash_cpu (offset
-    tk - tq, with and without key ranges); the C++ decode step over KVCache.native_slots'
+    functional's "sdpa" backend without a mask, the ring's fused diagonal blocks); the C++
+    causal kernel behind flash_cpu, forward and backward (offset tk - tq, with and without
+    key ranges); the C++ decode step over KVCache.native_slots'
     slots, plain and rolling; parallel.layout's blocks (block_for, scores_per_rank), both
     layouts; functional's single newest query, left unmasked (it sees every key). The
     "torch" ring engine (PyTorch's context parallel, is_causal) is held to it by

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from attnlab import cli
 from attnlab.bench import compare
 from attnlab.bench.compare import MODES
-from attnlab.bench.memory import CORE_NAME, MEMORY_PEERS, peak_bytes, peak_method
+from attnlab.bench.memory import (
+    CORE_BACKWARD_NAME,
+    CORE_NAME,
+    MEMORY_PEERS,
+    peak_bytes,
+    peak_method,
+)
 
 QUADRATIC = {  # the memory table's implementations that hold (t x t) scores
     "attnlab math",
@@ -89,7 +95,7 @@ def test_memory_quick_end_to_end(tmp_path, capsys):
     report = json.loads(figures.read_text())
     rows = {(row["name"], row["tokens"]): row for row in report["rows"]}
     assert {tokens for _, tokens in rows} == {256, 512}
-    assert {name for name, _ in rows} == {*MEMORY_PEERS, CORE_NAME}
+    assert {name for name, _ in rows} == {*MEMORY_PEERS, CORE_NAME, CORE_BACKWARD_NAME}
     for (name, tokens), row in rows.items():
         assert row["io_bytes"] == 4 * tokens * 768 * 4  # q, k, v, out in float32, batch 1
         scores = 12 * tokens**2 * 4  # one float32 (b, h, t, t) tensor
@@ -105,6 +111,9 @@ def test_memory_quick_end_to_end(tmp_path, capsys):
     if report["method"] is not None:  # the scores show: the math backend holds more than SDPA
         math, sdpa = rows["attnlab math", 256], rows["attnlab sdpa", 256]
         assert math["peak_bytes"] > sdpa["peak_bytes"] + 12 * 256**2 * 4
+        # the backward row holds the gradients of q, k and v (3 x 1.5 MiB at 512 tokens) too
+        forward, backward = rows[CORE_NAME, 512], rows[CORE_BACKWARD_NAME, 512]
+        assert backward["peak_bytes"] > forward["peak_bytes"] + 3 * 12 * 512 * 64 * 4
 
 
 def test_peak_bytes_sees_a_large_temporary():

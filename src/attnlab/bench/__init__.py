@@ -3,7 +3,10 @@
 compare: attnlab's module and attention core against their peers (the book's classes,
 nn.MultiheadAttention, a nanoGPT-style module, FlexAttention), forward and forward +
 backward: time, FLOP/s against the machine's matmul throughput, peak memory.
-memory: forward peak memory from 1k to 32k tokens, against the bytes of q, k, v and output.
+memory: forward peak memory from 1k to 32k tokens, against the bytes of q, k, v and output
+(attnlab's attention core also forward + backward).
+kernel: attnlab's causal CPU kernel against SDPA by length and head layout, forward and
+forward + backward.
 decode: tokens per second with a KV cache against recomputing, cache bytes per head layout,
 and each step against its memory-bandwidth floor.
 """
@@ -193,6 +196,24 @@ def padded_command(
     with console.status("a padded batch against an unpadded one"):
         report = run_padded(quick=quick)
     print_padded(report, console)
+    if json_path is not None:
+        write_json(report.to_dict(), json_path)
+        console.print(f"figures written to {json_path}")
+    return report
+
+
+def kernel_command(
+    *, quick: bool = False, json_path: str | Path | None = None, console: Console | None = None
+):
+    """`attnlab bench --kernel`: the causal kernel against SDPA by length and head layout,
+    forward and forward + backward, with a progress bar; the table; JSON if asked."""
+    from attnlab.bench.kernel import kernel_steps, print_kernel, run_kernel
+
+    console = console or Console()
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("kernel against SDPA", total=kernel_steps(quick))
+        report = run_kernel(quick=quick, progress=_advance(progress, task))
+    print_kernel(report, console)
     if json_path is not None:
         write_json(report.to_dict(), json_path)
         console.print(f"figures written to {json_path}")

@@ -11,7 +11,9 @@ Models (b batch, t tokens, d model width, h heads, s bytes per element, L layers
 - compare: 8 b t d s (input, q, k, v, output and their gradients) plus, for the peers that
   hold (b, h, t, t) float32 scores and are not skipped for exceeding `max_bytes`, twice those
   scores (the scores and their softmax), plus the reference matmul's three matrices.
-- memory: the same for batch 1 at its longest context, forward only (4 b t d s).
+- memory: the same for batch 1 at its longest context: the forward's 4 b t d s, and the
+  attention core's forward + backward, which holds q, k, v, the output and its gradient,
+  and the gradients of q, k and v (8 b t d s).
 - decode: L layers of cache for the longest context, 2 t d s each, plus the recomputation
   of that context through one layer, 8 t d s, plus the weights, 4 d^2 s per layer.
 - parallel: one process holding the whole sequence, 8 t d s, then N processes, each with
@@ -59,7 +61,7 @@ def compare_bytes(sizes: Sizes, *, matmul_size: int, max_bytes: int = MAX_SCORE_
 def memory_bytes(sizes: Sizes, *, max_bytes: int) -> int:
     """Peak estimate of the memory table at its longest context (module docstring)."""
     scores = 2 * sizes.score_bytes if sizes.score_bytes <= max_bytes else 0
-    return 4 * sizes.activation_bytes + scores
+    return max(4 * sizes.activation_bytes + scores, 8 * sizes.activation_bytes)
 
 
 def decode_bytes(context: int, *, d_model: int, layers: int, itemsize: int, batch: int = 8) -> int:

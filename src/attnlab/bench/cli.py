@@ -48,6 +48,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="forward peak memory from 1k to 32k tokens, per implementation",
     )
     mode.add_argument(
+        "--kernel",
+        action="store_true",
+        help="attnlab's causal CPU kernel against SDPA, forward and forward + backward, at 256 "
+        "to 4096 tokens for 12/12, 12/4 and 12/1 query/key-value heads",
+    )
+    mode.add_argument(
         "--padded",
         action="store_true",
         help="a left-padded batch against an unpadded one through a GPT-2-small-sized stack "
@@ -100,11 +106,13 @@ QUICK_NOTE = (
 
 
 def mode_of(args: argparse.Namespace) -> str:
-    """'compare', 'decode', 'memory', 'padded' or 'parallel'."""
+    """'compare', 'decode', 'memory', 'padded', 'kernel' or 'parallel'."""
     if args.parallel is not None:
         return "parallel"
     if args.padded:
         return "padded"
+    if args.kernel:
+        return "kernel"
     return "decode" if args.decode else "memory" if args.memory else "compare"
 
 
@@ -199,6 +207,13 @@ def estimate_bytes(args: argparse.Namespace, mode: str) -> tuple[int, str]:
         sizes = QUICK_PADDED if args.quick else PADDED
         shape = budget.Sizes(sizes["batch"], sizes["tokens"], sizes["d_model"], sizes["heads"], 4)
         return budget.compare_bytes(shape, matmul_size=0), "--padded"
+    if mode == "kernel":
+        from attnlab.bench.kernel import DEFAULT_KERNEL, KERNEL_SHAPE, QUICK_KERNEL
+
+        tokens = max((QUICK_KERNEL if args.quick else DEFAULT_KERNEL)["lengths"])
+        b, h, d = KERNEL_SHAPE["batch"], KERNEL_SHAPE["heads"], KERNEL_SHAPE["head_dim"]
+        shape = budget.Sizes(b, tokens, h * d, h, 4)  # no (t x t) scores: max_bytes 0
+        return budget.compare_bytes(shape, matmul_size=0, max_bytes=0), "--kernel"
     if mode == "parallel":
         tokens = parallel_tokens(args)
         needed = budget.parallel_bytes(
@@ -257,6 +272,9 @@ def _run_mode(args: argparse.Namespace, mode: str) -> int:
         return 0
     if mode == "padded":
         bench.padded_command(quick=args.quick, json_path=args.json)
+        return 0
+    if mode == "kernel":
+        bench.kernel_command(quick=args.quick, json_path=args.json)
         return 0
     if mode == "parallel":
         tokens = parallel_tokens(args)

@@ -1,6 +1,6 @@
 """Peak memory: how much a call adds at its peak, and the long-context table (forward, batch
-1, 1k to 32k tokens) that shows which implementations grow with tokens and which with
-tokens squared.
+1, 1k to 32k tokens; attnlab's attention core also forward + backward) that shows which
+implementations grow with tokens and which with tokens squared.
 
 The figure, "peak", is the memory a call adds at its highest point above what was live
 before it (inputs and weights), its output included. On CUDA it is
@@ -50,6 +50,7 @@ MEMORY_PEERS = (
     "book MultiHeadAttentionWrapper",
 )
 CORE_NAME = "attnlab attention core"
+CORE_BACKWARD_NAME = "attnlab attention core, forward + backward"
 _WARMUP_TOKENS = 256  # a short call first: thread pools and libraries allocate once, not per call
 
 _STATUS = Path("/proc/self/status")
@@ -159,7 +160,7 @@ class MemoryReport:
 
 def memory_steps(lengths: Sequence[int] | None = None, *, quick: bool = False) -> int:
     """The number of progress steps run_memory reports."""
-    return len(_settings(lengths, None, quick)[0]) * (len(MEMORY_PEERS) + 1)
+    return len(_settings(lengths, None, quick)[0]) * (len(MEMORY_PEERS) + 2)
 
 
 def _settings(lengths, max_bytes, quick: bool) -> tuple[tuple[int, ...], int]:
@@ -206,6 +207,8 @@ def run_memory(
             report.rows.append(_module_row(peer, shape, weights, x, max_bytes))
         progress(f"{CORE_NAME}, {tokens} tokens")
         report.rows.append(_core_row(shape))
+        progress(f"{CORE_BACKWARD_NAME}, {tokens} tokens")
+        report.rows.append(_core_row(shape, backward=True))
         del weights, x
     return report
 
@@ -233,10 +236,12 @@ def _module_row(peer: Peer, shape: Shape, weights, x: torch.Tensor, max_bytes: i
     return row
 
 
-def _core_row(shape: Shape) -> MemoryRow:
+def _core_row(shape: Shape, *, backward: bool = False) -> MemoryRow:
     """attnlab.functional.attention(q, k, v, causal=True) alone; q, k, v are inputs, so the
-    peak is the output and whatever the kernel holds beside it."""
-    row = MemoryRow(CORE_NAME, shape.tokens, shape.io_bytes)
+    peak is the output and whatever the kernel holds beside it. With `backward`, the call
+    is forward + backward of the output's sum: the peak then also holds what the forward
+    saves (output, logsumexp), the output's gradient and the gradients of q, k and v."""
+    row = MemoryRow(CORE_BACKWARD_NAME if backward else CORE_NAME, shape.tokens, shape.io_bytes)
     q, k, v = make_qkv(shape)
 
     def attend(tokens: int) -> Callable[[], torch.Tensor]:
@@ -248,7 +253,12 @@ def _core_row(shape: Shape) -> MemoryRow:
                     q[:, :, first], k[:, :, first], v[:, :, first], causal=True
                 )
 
-        return call
+        def call_backward() -> tuple[torch.Tensor, ...]:
+            leaves = [t[:, :, first].detach().requires_grad_() for t in (q, k, v)]
+            out = functional.attention(*leaves, causal=True)
+            return torch.autograd.grad(out.sum(), leaves)  # (b, h, tokens, hd) each
+
+        return call_backward if backward else call
 
     try:
         attend(min(shape.tokens, _WARMUP_TOKENS))()

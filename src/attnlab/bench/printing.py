@@ -160,7 +160,8 @@ def print_memory(report: MemoryReport, console: Console | None = None) -> None:
     each cell is the peak in MiB and its ratio to the bytes of q, k, v and the output."""
     console = console or Console()
     console.print(
-        f"{report.machine}, {report.device}, {report.dtype}; forward under no_grad, batch "
+        f"{report.machine}, {report.device}, {report.dtype}; forward under no_grad (the "
+        f"attention core also forward + backward, its last row), batch "
         f"{report.batch}, d_model {report.d_model}, {report.num_heads} heads; peak = memory one "
         f"call adds above its inputs and weights ({report.method}); (x) = peak / bytes of q, k, "
         f"v and the output; implementations holding (t x t) scores skipped above "
