@@ -76,3 +76,29 @@ def test_inductor_end_to_end():
         torch.testing.assert_close(
             _compiled(module, "inductor")(x), module(x), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_flash_backend_asked_by_name_compiles_whole(kv_heads):
+    """backend="flash" under torch.compile(fullgraph=True): the kernel's availability is
+    read once at trace time (it stats the build's files, which dynamo cannot trace), and
+    the compiled forward and backward equal eager."""
+    from attnlab.flash_cpu import available
+    from attnlab.functional import attention
+
+    if not available():
+        pytest.skip("attnlab's C++ kernel is not built here")
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 40, 8, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, 40, 8, requires_grad=True) for _ in range(2))
+
+    def call(q, k, v):
+        return attention(q, k, v, causal=True, backend="flash")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    expected = call(q, k, v)
+    torch.testing.assert_close(compiled, expected, atol=0, rtol=0)
+    grads = torch.autograd.grad(compiled.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -42,6 +42,7 @@ def load_error() -> str | None:
     )
 
 
+@torch.compiler.assume_constant_result  # a compiled caller reads it once, at trace time
 def available() -> bool:
     """True when the kernel is built and loaded (builds it on the first call)."""
     return load_error() is None
