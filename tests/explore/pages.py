@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.explore.encoding import decimals_for, half_steps
+from attnlab.explore.encoding import half_steps, shown_precision
 
 
 def panel(index: int) -> str:
@@ -57,12 +57,11 @@ def _shape(page, panel_index: int) -> tuple[int, int]:
 
 
 def tolerance(data: dict, group: int, layer: int, head: int) -> float:
-    """How far a shown value may be from the tensor's: half a stored step, plus half the
-    last printed decimal."""
+    """How far a shown value may be from the tensor's: the precision the page states (half a
+    stored step, plus half the last printed decimal)."""
     stored = data["groups"][group]
     index = layer * stored["heads"] + head
-    half = half_steps(stored)[index]
-    return half + 0.5 * 10 ** -decimals_for(half) + 1e-12
+    return shown_precision(half_steps(stored)[index]) + 1e-12
 
 
 def assert_row_equal(

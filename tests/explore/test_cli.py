@@ -99,3 +99,23 @@ def test_a_missing_transformers_model_is_a_usage_error(tmp_path, capsys):
         )
     assert exit_info.value.code == 2
     assert f"--hf '{tmp_path / 'nothing-here'}'" in capsys.readouterr().err
+
+
+def test_a_model_raising_on_the_input_is_one_line_and_exit_1(tmp_path, capsys):
+    """The seed's CausalAttention built for 2 tokens, given the chapter's 6 words: its own
+    RuntimeError, said in one line, no traceback."""
+    target = f"{ROOT / 'examples' / 'seed001_causal_attention.py'}:CausalAttention"
+    args = ["explore", target, "--init", "[3, 2, 2, 0.0]", "-o", str(tmp_path / "x.html")]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the model raised RuntimeError:") and "Traceback" not in err
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_an_output_that_cannot_be_written_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["explore", "-o", str(blocker / "x.html")])
+    assert exit_info.value.code == 2
+    assert "cannot write it" in capsys.readouterr().err

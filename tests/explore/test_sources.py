@@ -283,3 +283,41 @@ def test_a_llama_with_grouped_query_heads_gives_every_query_head():
     assert torch.equal(group.full_mask()[1, 3], torch.ones(5, 5, dtype=torch.bool).tril())
     reference = models.eager_attentions(model, input_ids=torch.tensor([[1, 2, 3, 4, 5]]))
     torch.testing.assert_close(group.weights[1], reference.attentions[1][0], rtol=0, atol=0)
+
+
+class _SdpaFinfoMask(nn.Module):
+    """SDPA given an additive causal mask filled with torch.finfo(dtype).min (as
+    transformers and GPT-NeoX write it), not -inf."""
+
+    def forward(self, x):  # (b, t, d)
+        t = x.shape[1]
+        mask = torch.zeros(t, t).masked_fill(
+            torch.ones(t, t).triu(1).bool(), torch.finfo(x.dtype).min
+        )
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+def test_an_sdpa_mask_filled_with_the_lowest_finite_value_is_masked():
+    torch.manual_seed(0)
+    (group,) = attnlab.explore(_SdpaFinfoMask(), torch.randn(1, 6, 16)).capture.groups
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.equal(group.full_mask()[0, 0], causal)
+
+
+@pytest.mark.parametrize("build", ["tiny_gpt2", "tiny_bert"])
+def test_a_saved_model_without_tokenizer_files_gets_one_hashed_id_per_word(tmp_path, build):
+    """transformers 5.24 loads an empty tokenizer from a folder without tokenizer files
+    (no error): it is taken as none, and each word of the text gets crc32(word) % vocab."""
+    pytest.importorskip("transformers")
+    import zlib
+
+    model = getattr(models, build)().eval()
+    model.save_pretrained(tmp_path / "no-tokenizer")
+    capture = attnlab.explore(str(tmp_path / "no-tokenizer"), TEXT).capture
+    words = tuple(TEXT.split())
+    assert capture.groups[0].query_tokens == words
+    ids = torch.tensor([[zlib.crc32(w.encode()) % model.config.vocab_size for w in words]])
+    reference = models.eager_attentions(model, input_ids=ids)
+    for layer, expected in enumerate(reference.attentions):  # (1, h, t, t) each
+        torch.testing.assert_close(capture.groups[0].weights[layer], expected[0])
+    assert any("crc32" in note for note in capture.notes)

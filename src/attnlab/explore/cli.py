@@ -8,10 +8,12 @@ with --hf. Usage errors exit 2 with the subcommand's usage.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from attnlab._arguments import positive_int, seed
 from attnlab.check.loader import LoadError
+from attnlab.check.runner import describe
 
 DEFAULT_OUT = "attnlab-out/explore.html"
 
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         args: the parsed options (with `explore_parser`, the subcommand's parser).
 
     Returns:
-        0; a usage error exits 2 through the parser.
+        0; 1 when the model raises on the input (said in one line); a usage error exits 2
+        through the parser.
     """
     from attnlab.explore import explore
 
@@ -112,7 +115,14 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(error))
     except OSError as error:  # transformers found no such model
         parser.error(f"--hf {args.hf!r}: {error}")
-    path = result.save(out)
+    except (RuntimeError, IndexError) as error:  # the model's own forward on this input
+        print(f"error: the model raised {describe(error)} on this input", file=sys.stderr)
+        print("  (an input longer than its context, or ids past its vocabulary?)", file=sys.stderr)
+        return 1
+    try:
+        path = result.save(out)
+    except OSError as error:
+        parser.error(f"-o {args.out!r}: cannot write it ({error.strerror or error})")
     size = path.stat().st_size
     print(f"wrote {path} ({size / 1e6:.2f} MB): {result.capture.title}")
     for group in result.capture.groups:

@@ -98,10 +98,17 @@ def half_steps(stored: dict) -> list[float]:
 
 
 def decimals_for(half_step: float) -> int:
-    """Decimals that show a value to its precision: the page prints this many."""
+    """Decimals the page prints a value with: one past the step, so that the display's
+    rounding adds at most a twentieth of it (explore.js's decimals)."""
     if half_step <= 0:
         return 4
-    return max(2, min(8, math.ceil(-math.log10(half_step))))
+    return max(2, min(9, math.ceil(-math.log10(half_step)) + 1))
+
+
+def shown_precision(half_step: float) -> float:
+    """What a value the page shows is within: half a step plus the display's rounding
+    (explore.js's shownPrecision)."""
+    return half_step + 0.5 * 10 ** -decimals_for(half_step)
 
 
 def _ranges(

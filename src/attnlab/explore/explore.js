@@ -48,9 +48,16 @@
 
   function halfStep(g, m) { return (g.hi[m] - g.lo[m]) / (2 * g.top); }
 
+  // one decimal past the step, so that rounding for display adds at most a twentieth of it
   function decimals(half) {
     if (!(half > 0)) return 4;
-    return Math.max(2, Math.min(8, Math.ceil(-Math.log10(half))));
+    return Math.max(2, Math.min(9, Math.ceil(-Math.log10(half)) + 1));
+  }
+
+  // what a shown value is within: half a step, plus the display's rounding
+  function shownPrecision(g, m) {
+    const half = halfStep(g, m);
+    return half + 0.5 * Math.pow(10, -decimals(half));
   }
 
   function fmt(g, m, v) { return v === null ? "masked" : v.toFixed(decimals(halfStep(g, m))); }
@@ -259,10 +266,10 @@
     panel.textContent = "";
     panel.dataset.group = sel.g; panel.dataset.layer = sel.l; panel.dataset.head = sel.h;
     panel.appendChild(el("h3", "axp-detail-title", mapName(sel.g, sel.l, sel.h)));
-    const half = halfStep(g, m);
     panel.appendChild(el("div", "axp-summary",
       (g.stats ? statText(g, m) + " \u00b7 " : "") + "range " + fmt(g, m, g.lo[m]) + " to " +
-      fmt(g, m, g.hi[m]) + " \u00b7 stored in " + g.bits + " bits: \u00b1" + half.toPrecision(2)));
+      fmt(g, m, g.hi[m]) + " \u00b7 stored in " + g.bits + " bits, shown to \u00b1" +
+      shownPrecision(g, m).toPrecision(2)));
     const views = el("div", "axp-views");
     const hv = el("div", "axp-headview");
     const heat = el("div", "axp-heatwrap");
@@ -399,7 +406,7 @@
       tip.dataset.value = v === null ? "masked" : fmt(g, view.m, v);
       tip.textContent = "query " + i + " \u201c" + g.queries[i] + "\u201d \u2192 key " + j + " \u201c" +
         g.keys[j] + "\u201d: " + (v === null ? "masked" : fmt(g, view.m, v) + " (\u00b1" +
-        halfStep(g, view.m).toPrecision(2) + ")");
+        shownPrecision(g, view.m).toPrecision(2) + ")");
       if (state.pinned[view.p] === null && view.focus !== i) focusRow(view, i);
     });
   }

@@ -164,11 +164,19 @@ def _d_in(module: nn.Module) -> int | None:
 
 
 def _hf_capture(source, inputs, tokens, tokenizer, decoder_inputs, causal, max_tokens) -> Capture:
-    if isinstance(source, str):
+    by_name = isinstance(source, str)
+    if by_name:
         source, loaded = hf.load(source)
         tokenizer = loaded if tokenizer is None else tokenizer
     if inputs is None:
         raise ValueError("inputs is required for a transformers model: a text or token ids")
+    # a folder without tokenizer files (the CLI can pass no ids): each word an id, as for
+    # any module taking ids; a model object given a text with no tokenizer= is an error
+    hashed = by_name and tokenizer is None and isinstance(inputs, str)
+    if hashed:
+        words = tuple(inputs.split())
+        inputs = inputs_.hashed_ids(words, source.config.vocab_size)[0].tolist()
+        tokens = words if tokens is None else tokens
     ids, mask = hf.encode(inputs, tokenizer, "inputs")
     cuts = []
     if ids.shape[1] > max_tokens:
@@ -180,7 +188,9 @@ def _hf_capture(source, inputs, tokens, tokenizer, decoder_inputs, causal, max_t
     name = getattr(source.config, "name_or_path", "") or type(source).__name__
     title = f"{name} on \u201c{_short(' '.join(labels))}\u201d"
     notes = [*notes, "Run in eval mode with the eager attention implementation."]
-    if tokenizer is None:
+    if hashed:
+        notes.append("No tokenizer: each word is given the id crc32(word) % vocab_size.")
+    elif tokenizer is None:
         notes.append("No tokenizer: tokens are labelled by their ids.")
     return Capture(title, groups, tuple(notes), tuple(cuts))
 

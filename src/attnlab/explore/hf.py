@@ -53,7 +53,16 @@ def load(name: str) -> tuple[nn.Module, object | None]:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError):
         tokenizer = None
-    return model, tokenizer
+    return model, tokenizer if _has_vocabulary(tokenizer) else None
+
+
+def _has_vocabulary(tokenizer: object | None) -> bool:
+    """Whether a loaded tokenizer holds words beyond its special tokens: transformers 5.24
+    returns an empty one (GPT-2's: one token) for a folder without tokenizer files."""
+    try:
+        return len(tokenizer) > len(set(tokenizer.all_special_tokens))
+    except (TypeError, AttributeError):
+        return tokenizer is not None
 
 
 def encode(

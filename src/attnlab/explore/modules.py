@@ -253,7 +253,8 @@ class _Recorder(TorchFunctionMode):
             allowed = allowed & attn_mask
         elif attn_mask is not None:
             scores = scores + attn_mask.float()
-            allowed = allowed & (attn_mask > -math.inf)
+            # -inf, or a torch.finfo(dtype).min fill (half the lowest and below): masked
+            allowed = allowed & (attn_mask > torch.finfo(attn_mask.dtype).min / 2)
         allowed = allowed.expand(scores.shape)
         weights = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
         self._add(weights, allowed)
