@@ -456,3 +456,37 @@ def test_the_kernel_and_its_backward_trace_under_compile():
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     for grad, ref in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, ref, atol=0, rtol=0)
+
+
+def _kernel_or_skip() -> None:
+    if not flash_cpu.available():
+        pytest.skip(f"attnlab's kernel is not built here: {flash_cpu.load_error()}")
+
+
+@pytest.mark.parametrize("backend", ["flash", "auto"])
+def test_a_second_derivative_raises_instead_of_coming_back_zero(backend):
+    """The kernel's backward has no derivative of its own: differentiating it again is a
+    RuntimeError (once_differentiable), never zeros (which it gave silently before)."""
+    _kernel_or_skip()
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, 128, 128, 16, seed=0))
+    out = attention(q, k, v, causal=True, backend=backend)  # auto: the kernel at 128 queries
+    (grad_q,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (grad_q**2).sum().backward()
+
+
+def test_torch_func_grad_runs_the_kernel_and_equals_the_reference():
+    """torch.func.grad (and jacrev) need an autograd.Function with setup_context: the
+    kernel's gradient through it equals the math backend's in float64."""
+    _kernel_or_skip()
+    q, k, v = _qkv(1, 4, 2, 128, 128, 16, seed=1)
+    grads = torch.func.grad(
+        lambda q, k, v: attention(q, k, v, causal=True, backend="flash").square().sum(),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(
+        attention(*leaves, causal=True, backend="math").square().sum(), leaves
+    )
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)

@@ -77,28 +77,50 @@ def attention(
     (start, end), int64 (b,) each: sequence i reads only keys [start[i], end[i]) (a padded
     batch, at the cost of its real keys only). A row with no key it may see gets zeros.
     Any strides (dense_rows copies what the kernel cannot read). Differentiable."""
-    return _Flash.apply(q, k, v, bias, scale, causal, key_ranges)
+    out, _ = _Flash.apply(q, k, v, bias, scale, causal, key_ranges)  # lse: not differentiable
+    return out
 
 
 class _Flash(torch.autograd.Function):
     """Forward and backward: attnlab's kernel (the backward recomputes the probabilities
-    from the forward's logsumexp)."""
+    from the forward's logsumexp). Written with setup_context, so that torch.func.grad and
+    jacrev run it; the backward is not itself differentiable (once_differentiable: a
+    second derivative raises instead of coming back zero)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale, causal, key_ranges):
+    def forward(q, k, v, bias, scale, causal, key_ranges):
         q, k, v = (dense_rows(t) for t in (q, k, v))  # the rows BLAS can read
-        mask = torch.empty(0) if bias is None else _broadcast_4d(bias, q, k)
         starts, ends = key_ranges if key_ranges is not None else (_NONE, _NONE)
-        out, lse = torch.ops.attnlab.causal_flash_forward(
-            q, k, v, mask, starts, ends, scale, causal, _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT
+        return tuple(  # (out, lse): the op returns a list, which apply would not track
+            torch.ops.attnlab.causal_flash_forward(
+                q,
+                k,
+                v,
+                _mask(bias, q, k),
+                starts,
+                ends,
+                scale,
+                causal,
+                _Q_SPLIT,
+                _KV_SPLIT,
+                _DIAG_SPLIT,
+            )
         )
-        ctx.save_for_backward(q, k, v, out, lse, mask, starts, ends)
-        ctx.scale, ctx.causal = scale, causal
-        return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, mask, starts, ends = ctx.saved_tensors
+    def setup_context(ctx, inputs, output):
+        q, k, v, bias, scale, causal, key_ranges = inputs
+        out, lse = output
+        starts, ends = key_ranges if key_ranges is not None else (_NONE, _NONE)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, bias, out, lse, starts, ends)
+        ctx.scale, ctx.causal = scale, causal
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, bias, out, lse, starts, ends = ctx.saved_tensors
+        q, k, v = (dense_rows(t) for t in (q, k, v))  # as the forward read them
         grad_q, grad_k, grad_v = torch.ops.attnlab.causal_flash_backward(
             dense_rows(grad_out),
             q,
@@ -106,7 +128,7 @@ class _Flash(torch.autograd.Function):
             v,
             out,
             lse,
-            mask,
+            _mask(bias, q, k),
             starts,
             ends,
             ctx.scale,
@@ -116,6 +138,11 @@ class _Flash(torch.autograd.Function):
             _BACKWARD_DIAG_SPLIT,
         )
         return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _mask(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The kernel's mask argument: empty for no bias, else the bias as a 4-D view."""
+    return torch.empty(0) if bias is None else _broadcast_4d(bias, q, k)
 
 
 _NONE = torch.empty(0, dtype=torch.long)
