@@ -490,3 +490,17 @@ def test_torch_func_grad_runs_the_kernel_and_equals_the_reference():
     )
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [64, 128])
+def test_auto_under_cpu_autocast_gives_sdpas_dtype_at_every_length(tokens):
+    """Under CPU bfloat16 autocast SDPA computes (and returns) bfloat16; "auto" gave
+    float32 from 96/128 queries on, where it took the float32 kernel. It now leaves the
+    kernel alone under autocast, so its dtype does not depend on the length."""
+    q, k, v = _qkv(1, 2, 2, tokens, tokens, 16, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attention(q, k, v, causal=True, backend="auto")
+        padded = torch.ones(1, 1, tokens, tokens, dtype=torch.bool).tril()
+        out_masked = attention(q, k, v, mask=padded, causal=True, backend="auto")
+    assert out.dtype == out_masked.dtype == expected.dtype == torch.bfloat16

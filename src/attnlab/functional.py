@@ -511,7 +511,10 @@ def _padded_key_ranges(qkv, mask, causal, backend) -> tuple[torch.Tensor, torch.
     if q.shape[2] != k.shape[2] or q.shape[2] <= 32 or torch.compiler.is_compiling():
         return None
     head_dims = tuple(t.shape[-1] for t in qkv)
-    runs = flash_cpu.preferred() if backend == "auto" else flash_cpu.available()
+    if backend == "auto":  # under CPU autocast SDPA computes in its dtype: not the kernel
+        runs = flash_cpu.preferred() and not torch.is_autocast_enabled("cpu")
+    else:
+        runs = flash_cpu.available()
     if not (flash_cpu.supports(q.dtype, q.device, head_dims) and runs):
         return None
     return padded.key_ranges(mask, causal)
@@ -535,13 +538,17 @@ def _flash_helps(qkv: tuple[torch.Tensor, ...], causal: bool, dropout_p: float) 
     (the measured crossover above: fewer when the call will be differentiated, where the
     kernel's backward leads by more), in its vectorised build, loaded
     (flash_cpu.preferred): it skips the masked half that PyTorch's computes in part. Not
-    under torch.compile, which traces SDPA into its own graph instead."""
+    under torch.compile, which traces SDPA into its own graph instead, nor under CPU
+    autocast, where SDPA computes in autocast's dtype as the call would without attnlab."""
     q, k, _ = qkv
     training = torch.is_grad_enabled() and any(t.requires_grad for t in qkv)
     least = _FLASH_MIN_QUERIES_TRAINING if training else _FLASH_MIN_QUERIES
     return (
         causal
         and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(
+            "cpu"
+        )  # SDPA follows autocast's dtype; the kernel would not
         and dropout_p == 0.0
         and q.shape[2] >= least
         and k.shape[2] > 0
