@@ -26,17 +26,9 @@ import torch
 
 from attnlab.explore import Capture, Exploration, Group, explore
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.explore.conftest import ARGS, CHROMIUM  # the tests' browser, as they launch it
+
 LAYERS, HEADS, TOKENS = 12, 12, 256
 
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import math
 
-from attnlab._arguments import positive_int
+from attnlab._arguments import positive_int, seed
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -63,7 +63,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "n_positions or max_position_embeddings)",
     )
     check.add_argument(
-        "--seed", type=_seed, default=0, help="torch seed for the weights (default: %(default)s)"
+        "--seed", type=seed, default=0, help="torch seed for the weights (default: %(default)s)"
     )
     check.add_argument(
         "--timeout",
@@ -91,17 +91,6 @@ def _positive_float(text: str) -> float:
         value = 0.0
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """'0' -> 0, for argparse; torch seeds are 0 to 2**64 - 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**64 - 1, got {text!r}")
     return value
 
 

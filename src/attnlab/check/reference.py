@@ -274,8 +274,12 @@ def _transformers_cache_argument(module: nn.Module) -> str | None:
     """The cache parameter of a transformers attention class's forward, else None."""
     from attnlab.check.model import find_cache_argument  # the whole-model audit's probe
 
-    from_transformers = any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
-    return find_cache_argument(module) if from_transformers else None
+    return find_cache_argument(module) if _from_transformers(module) else None
+
+
+def _from_transformers(module: nn.Module) -> bool:
+    """Whether the module's class is transformers' own or a subclass of one."""
+    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
 
 
 def _new_cache(module: nn.Module) -> object:
@@ -348,7 +352,7 @@ def _declared_scores(module: nn.Module) -> dict:
     taken as the model's design. Read from the config, not the layer's own `scaling`, so
     that a copy setting a wrong one is still a bug; other modules are held to
     1/sqrt(head_dim) with no cap."""
-    if not any(c.__module__.startswith("transformers.") for c in type(module).__mro__):
+    if not _from_transformers(module):
         return {}
     config = getattr(module, "config", None)
     declared = {}
