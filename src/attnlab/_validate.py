@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from attnlab import debug
+
 
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     """Return `value` if it is an int >= minimum (bool is refused: True is not a size)."""
@@ -139,9 +141,10 @@ def _ranks(ndims: Sequence[int]) -> str:
 def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     """Return `t` if every value is finite, else raise ValueError naming the first bad index.
 
-    Skipped while compiling or exporting (a data-dependent branch) and for meta tensors.
+    Runs where attnlab.debug.reads_values says (by default on CPU tensors only: elsewhere a
+    read is a host-device synchronisation), never while compiling or exporting.
     """
-    if _values_unreadable(t) or bool(torch.isfinite(t.sum())):  # one read; exact below
+    if not debug.reads_values(t) or bool(torch.isfinite(t.sum())):  # one read; exact below
         return t
     bad = ~torch.isfinite(t)  # a sum can overflow with finite values: look at each one
     if bool(bad.any()):
@@ -152,8 +155,9 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def check_additive_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
     """Return a float mask if its values are finite or -inf (blocked); NaN and +inf have no
-    meaning as an additive mask (NaN would be read as blocked, +inf makes the row NaN)."""
-    if mask.dtype == torch.bool or _values_unreadable(mask):
+    meaning as an additive mask (NaN would be read as blocked, +inf makes the row NaN).
+    Runs where attnlab.debug.reads_values says (by default on CPU tensors only)."""
+    if mask.dtype == torch.bool or not debug.reads_values(mask):
         return mask
     bad = torch.isnan(mask) | (mask == torch.inf)
     if bool(bad.any()):
@@ -163,10 +167,6 @@ def check_additive_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
             f"finite values, or -inf where a query may not attend"
         )
     return mask
-
-
-def _values_unreadable(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or torch.compiler.is_compiling()
 
 
 def check_float(

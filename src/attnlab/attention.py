@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from attnlab import decode_cpu, functional, masks, plan, qkv
+from attnlab import debug, decode_cpu, functional, masks, plan, qkv
 from attnlab._validate import (
     check_bool,
     check_device,
@@ -30,8 +30,10 @@ from attnlab._validate import (
 )
 from attnlab.kv_cache import BLOCK_TOKENS, KVCache
 from attnlab.rope import RotaryEmbedding, check_base
+from attnlab.static_cache import StaticKVCache
 
 _CACHED_MASK = "(batch, heads, queries, positions so far)"
+_STATIC_MASK = "(batch, heads, queries, the static cache's capacity)"
 
 
 class MultiHeadAttention(nn.Module):
@@ -196,10 +198,13 @@ class MultiHeadAttention(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> KVCache:
+        static: bool = False,
+    ) -> KVCache | StaticKVCache:
         """A KVCache for this module's key/value heads; rolling, of `window` tokens, when
         windowed; laid out in blocks of kv_cache.BLOCK_TOKENS tokens where attnlab's native
-        CPU decode step will read it (decode_cpu.reads), else as one block.
+        CPU decode step will read it (decode_cpu.reads), else as one block. With
+        static=True, a StaticKVCache: fixed shapes and a position on the device, for a
+        decode loop compiled into one CUDA graph (attnlab.static_cache).
 
         Args:
             batch_size: sequences decoded together.
@@ -209,21 +214,30 @@ class MultiHeadAttention(nn.Module):
                 (symmetric per-token, per-head scales stored beside it); they are read back
                 in the parameters' dtype.
             device: where the buffers live (default the parameters' device).
+            static: a StaticKVCache (max_tokens at most context_length) instead.
 
         Returns:
-            An empty KVCache.
+            An empty KVCache, or StaticKVCache.
 
         Raises:
-            ValueError: batch_size or max_tokens is not a positive int.
+            ValueError: batch_size or max_tokens is not a positive int, or a static cache
+                longer than context_length.
             TypeError: dtype is neither floating-point nor torch.int8.
         """
         weight = self._parameter()
         dtype = weight.dtype if dtype is None else dtype  # KVCache checks it
         device = weight.device if device is None else check_device("device", device)
+        max_tokens = self.context_length if max_tokens is None else max_tokens
+        if check_bool("static", static):
+            cache = StaticKVCache(
+                batch_size, max_tokens, self.num_kv_heads, self.head_dim, dtype=dtype, device=device
+            )
+            self._check_static_capacity(cache)
+            return cache
         native = plan.native_module(self) is not None and decode_cpu.reads(dtype, device)
         return KVCache(
             batch_size,
-            self.context_length if max_tokens is None else max_tokens,
+            max_tokens,
             self.num_kv_heads,
             self.head_dim,
             dtype=dtype,
@@ -254,6 +268,8 @@ class MultiHeadAttention(nn.Module):
             cache: a KVCache from make_cache: x holds the next tokens of the sequences,
                 whose keys and values are appended; they attend causally to every token
                 held. The call is all or nothing: one that raises leaves the cache as it was.
+                A StaticKVCache (make_cache(static=True)) works the same way with no grad
+                recorded; its mask's keys axis (and the weights') is its capacity.
 
         Returns:
             The output (b, tq, d_out), or (output, weights (b, h, tq, tk)) with
@@ -272,7 +288,7 @@ class MultiHeadAttention(nn.Module):
         start = self._start_position(x, context, cache)
         if context is not None:
             context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
-        mask = self._check_mask(mask, x, context, start)
+        mask = self._check_mask(mask, x, context, start, cache)
         functional.check_backend_call(
             self.backend,
             need_weights=need_weights,
@@ -290,6 +306,8 @@ class MultiHeadAttention(nn.Module):
         self._check_finite("x", x)
         if cache is None:
             return self._attend(x, context, mask, need_weights, start, None)
+        if isinstance(cache, StaticKVCache):  # its position moves only once the step is done
+            return self._attend_static(x, mask, need_weights, cache)
         with cache.transaction(x.shape[1]):  # a call that raises leaves the cache as it was
             return self._attend(x, context, mask, need_weights, start, cache)
 
@@ -335,14 +353,53 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
         )
         out, weights = result if need_weights else (result, None)
-        b, tq = x.shape[:2]
-        out = out.transpose(1, 2).reshape(b, tq, self.d_out)  # (b, h, tq, hd) -> (b, tq, d_out)
-        out = self._call("out_proj", out)  # (b, tq, out_proj's width)
+        out = self._combine_heads(out)
         if not need_weights:
             return out
         if key_positions is not None:  # a rolling cache's slots: back in position order
-            weights = _at_positions(weights, key_positions, start + tq)  # (b, h, tq, start+tq)
+            num = start + x.shape[1]
+            weights = _at_positions(weights, key_positions, num)  # (b, h, tq, start + tq)
         return out, weights
+
+    def _attend_static(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        need_weights: bool,
+        cache: StaticKVCache,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """forward() with a StaticKVCache after its checks: the same shapes and no value read
+        at every position (attnlab.static_cache)."""
+        q, k, v = self._project(x, None)
+        positions = cache.positions(x.shape[1])  # (tq,) on the device
+        if self.rope is not None:
+            q, k = self.rope.rotate_at(q, positions), self.rope.rotate_at(k, positions)
+        k, v = cache.write(k, v, positions)  # (b, hkv, capacity, hd)
+        visible = cache.visible(positions, self.window)  # (tq, capacity)
+        visible = visible.view(1, 1, *visible.shape)  # (1, 1, tq, capacity)
+        mask = visible if mask is None else masks.combine_masks(mask, visible)
+        result = functional.attend(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=False,
+            scale=1.0 / math.sqrt(self.head_dim),
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+            backend=self.backend,
+            nonempty_rows=mask is visible,  # each query sees its own slot
+        )
+        cache.advance(x.shape[1])
+        if not need_weights:
+            return self._combine_heads(result)
+        return self._combine_heads(result[0]), result[1]
+
+    def _combine_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (b, h, tq, hd) through out_proj: (b, tq, out_proj's width)."""
+        b, _, tq, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, tq, self.d_out)  # (b, h, tq, hd) -> (b, tq, d_out)
+        return self._call("out_proj", out)
 
     def _check_mask(
         self,
@@ -350,12 +407,16 @@ class MultiHeadAttention(nn.Module):
         x: torch.Tensor,
         context: torch.Tensor | None,
         start: int,
+        cache: KVCache | StaticKVCache | None,
     ) -> torch.Tensor | None:
         """The user's mask, checked against the scores it applies to: with a cache its keys
-        axis covers every position so far, with a context the context's tokens."""
+        axis covers every position so far (a static cache's: its capacity), with a context
+        the context's tokens."""
         keys = start + x.shape[1] if context is None else context.shape[1]
-        shape = (x.shape[0], self.num_heads, x.shape[1], keys)
         what = _CACHED_MASK if start else "(batch, heads, queries, keys)"
+        if isinstance(cache, StaticKVCache):
+            keys, what = cache.capacity, _STATIC_MASK
+        shape = (x.shape[0], self.num_heads, x.shape[1], keys)
         return functional.check_mask(mask, shape, x.device, what)
 
     def _start_position(
@@ -363,7 +424,11 @@ class MultiHeadAttention(nn.Module):
     ) -> int:
         """Absolute position of x's first token, after checking that the cache fits."""
         start = 0
-        if cache is not None:
+        if isinstance(cache, StaticKVCache):
+            self._check_static_cache(cache, x, context)
+            # the host's count, never read under torch.compile (a guard per position)
+            start = 0 if torch.compiler.is_compiling() else cache.tokens
+        elif cache is not None:
             self._check_cache(cache, x, context)
             start = cache.position
         if start + x.shape[1] > self.context_length:
@@ -374,9 +439,30 @@ class MultiHeadAttention(nn.Module):
             )
         return start
 
-    def _check_cache(self, cache: object, x: torch.Tensor, context: torch.Tensor | None) -> None:
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache (make_cache), got {type(cache).__name__}")
+    def _check_static_cache(
+        self, cache: StaticKVCache, x: torch.Tensor, context: torch.Tensor | None
+    ) -> None:
+        """A StaticKVCache fits the call: its heads, dtype, device, batch and capacity, no
+        grad recorded, and (outside torch.compile) room by the host's count."""
+        self._check_cache_shape(cache, x, context)
+        self._check_static_capacity(cache)
+        if torch.is_grad_enabled() and self._records_grad(x):
+            raise ValueError(
+                "a StaticKVCache is for inference: no gradient flows through its buffers; "
+                "decode under torch.no_grad(), or use make_cache() without static"
+            )
+        if x.shape[1] and not torch.compiler.is_compiling():
+            cache.check_room(x.shape[1])
+
+    def _check_static_capacity(self, cache: StaticKVCache) -> None:
+        if cache.max_tokens > self.context_length:
+            raise ValueError(
+                f"a static cache of max_tokens ({cache.max_tokens}) attends over positions "
+                f"past context_length ({self.context_length}): make it at most that long"
+            )
+
+    def _check_cache_shape(self, cache: object, x: torch.Tensor, context: torch.Tensor | None):
+        """Any cache's heads, dtype, device and batch fit x; causal self-attention."""
         if context is not None or not self.causal:
             raise ValueError("a cache is for causal self-attention: no context, causal=True")
         made_for = (cache.num_kv_heads, cache.head_dim)
@@ -390,6 +476,17 @@ class MultiHeadAttention(nn.Module):
                 f"the cache is {cache.dtype} on {cache.device} but x is {x.dtype} on {x.device}"
                 f" (a cache stores x's dtype, or a narrower one: bfloat16, float16, int8)"
             )
+        if cache.batch_size != x.shape[0]:
+            raise ValueError(
+                f"x has batch size {x.shape[0]} but the cache holds {cache.batch_size} sequences"
+            )
+
+    def _check_cache(self, cache: object, x: torch.Tensor, context: torch.Tensor | None) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(
+                f"cache must be a KVCache or StaticKVCache (make_cache), got {type(cache).__name__}"
+            )
+        self._check_cache_shape(cache, x, context)
         if cache.dtype == torch.int8 and torch.is_grad_enabled() and self._records_grad(x):
             raise ValueError(
                 "an int8 cache stores rounded keys and values, through which no gradient flows: "
@@ -400,10 +497,6 @@ class MultiHeadAttention(nn.Module):
                 "the cache was made under torch.inference_mode(), whose tensors cannot be "
                 "written outside it: decode under inference_mode too, or make the cache "
                 "outside it"
-            )
-        if cache.batch_size != x.shape[0]:
-            raise ValueError(
-                f"x has batch size {x.shape[0]} but the cache holds {cache.batch_size} sequences"
             )
         if cache.window is not None and (self.window is None or cache.window < self.window):
             raise ValueError(
@@ -455,8 +548,9 @@ class MultiHeadAttention(nn.Module):
             qkv = self._split_heads(self._call("qkv_proj", x), -1)  # (b, h + 2 hkv, t, hd)
             return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.fused:  # cross-attention through the fused rows: queries of x, keys of context
-            q = self._call("qkv_proj", x)[..., : self.d_out]  # (b, tq, d_out)
-            k, v = self._call("qkv_proj", context)[..., self.d_out :].chunk(2, dim=-1)
+            q = self._call("qkv_proj", x).narrow(-1, 0, self.d_out)  # (b, tq, d_out)
+            kv_rows = self._call("qkv_proj", context).narrow(-1, self.d_out, 2 * self.kv_dim)
+            k, v = kv_rows.chunk(2, dim=-1)  # (b, tk, kv_dim) each
         else:
             q = self._call("q_proj", x)  # (b, tq, d_out)
             k, v = self._call("kv_proj", context).chunk(2, dim=-1)  # (b, tk, kv_dim) each
@@ -574,7 +668,8 @@ class MultiHeadAttention(nn.Module):
         return x
 
     def _check_finite(self, name: str, x: torch.Tensor) -> None:
-        if not _sums_finite(x):  # the common case in one read; check_finite has the last word
+        """x's values finite, where attnlab.debug lets a check read them (CPU by default)."""
+        if debug.reads_values(x) and not _sums_finite(x):  # one read; check_finite's word
             check_finite(name, x)
 
     def _parameter(self) -> torch.Tensor:
@@ -624,10 +719,8 @@ def _check_projection(name: str, layer: object, width: int | None, features: int
 
 def _sums_finite(x: torch.Tensor) -> bool:
     """True when x's values sum to a finite number (then every value is finite): the fast
-    path of check_finite, for a CPU tensor outside torch.compile, as one sum and one read of
-    it (a decoded token pays this per layer; check_finite's tensor ops cost ~3x more)."""
-    if not x.is_cpu or torch.compiler.is_compiling():
-        return False
+    path of check_finite, as one sum and one read of it (a decoded token pays this per
+    layer on the CPU; check_finite's tensor ops cost ~3x more)."""
     return math.isfinite(x.sum().item())
 
 

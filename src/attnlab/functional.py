@@ -125,6 +125,7 @@ def attend(
     backend: str,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    nonempty_rows: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """attention() for a caller that checked its arguments itself (MultiHeadAttention).
 
@@ -143,6 +144,8 @@ def attend(
         backend: "auto", "math", "sdpa" or "flash".
         sinks: checked (hq,) sink logits, or None.
         softcap: a checked positive float, or None.
+        nonempty_rows: the caller knows that the mask lets every query see a key (a
+            positional mask over a static cache): the zeroing of empty rows is skipped.
 
     Returns:
         As attention().
@@ -162,22 +165,34 @@ def attend(
     allowed, bias = _split_mask(mask, q, k)
     if sinks is None:
         return _run(
-            backend, q, k, v, allowed, bias, causal, scale, dropout_p, need_weights, softcap
+            backend,
+            q,
+            k,
+            v,
+            (allowed, bias, nonempty_rows),
+            causal,
+            scale,
+            dropout_p,
+            need_weights,
+            softcap,
         )
     if causal:  # explicit: the sink key would shift the bottom-right alignment
         allowed = masks.combine_masks(
             allowed, masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
         )
     k, v, allowed, bias = _with_sink_key(k, v, allowed, bias, sinks, q.shape[2])
-    result = _run(backend, q, k, v, allowed, bias, False, scale, dropout_p, need_weights, softcap)
+    masking = (allowed, bias, nonempty_rows)
+    result = _run(backend, q, k, v, masking, False, scale, dropout_p, need_weights, softcap)
     if not need_weights:
         return result
     out, weights = result
     return out, weights[..., :-1]  # (b, hq, tq, tk): the sink's share is left out
 
 
-def _run(backend, q, k, v, allowed, bias, causal, scale, dropout_p, need_weights, softcap):
-    """One backend on split masks (allowed bool, bias float without -inf)."""
+def _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap):
+    """One backend on split masks: masking is (allowed bool or None, bias float without -inf
+    or None, whether every row is known to allow a key)."""
+    allowed, bias, nonempty_rows = masking
     if backend == "flash":
         return flash_cpu.attention(q, k, v, _additive(allowed, bias), scale, causal)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
@@ -191,9 +206,10 @@ def _run(backend, q, k, v, allowed, bias, causal, scale, dropout_p, need_weights
         causal_allowed = masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
         allowed = masks.combine_masks(allowed, causal_allowed)
     if backend == "math":
-        out, weights = _math(q, k, v, allowed, bias, scale, dropout_p, softcap)
+        masking = (allowed, bias, nonempty_rows)
+        out, weights = _math(q, k, v, masking, scale, dropout_p, softcap)
         return (out, weights) if need_weights else out
-    return _sdpa(q, k, v, allowed, bias, scale, dropout_p, sdpa_is_causal)
+    return _sdpa(q, k, v, (allowed, bias, nonempty_rows), scale, dropout_p, sdpa_is_causal)
 
 
 def _with_sink_key(k, v, allowed, bias, sinks, tq):
@@ -216,7 +232,8 @@ def _with_sink_key(k, v, allowed, bias, sinks, tq):
     return k, v, allowed, torch.cat([real.to(sinks.dtype), sink], dim=-1)  # (.., tq, tk + 1)
 
 
-def _math(q, k, v, allowed, bias, scale, dropout_p, softcap=None):
+def _math(q, k, v, masking, scale, dropout_p, softcap=None):
+    allowed, bias, nonempty_rows = masking
     b, hq, tq, hd = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -231,9 +248,11 @@ def _math(q, k, v, allowed, bias, scale, dropout_p, softcap=None):
         scores = scores + bias.to(compute)
     row_has_key = None
     if allowed is not None:
+        scores = scores.masked_fill(allowed.logical_not(), -torch.inf)
+    if allowed is not None and not nonempty_rows:
         row_has_key = allowed.any(dim=-1, keepdim=True)  # (..., tq, 1)
         # A row with no allowed key gets constant scores: finite softmax, zero gradient.
-        scores = scores.masked_fill(~allowed, -torch.inf).masked_fill(~row_has_key, 0.0)
+        scores = scores.masked_fill(row_has_key.logical_not(), 0.0)
     weights = torch.softmax(scores, dim=-1)
     if row_has_key is not None:
         weights = weights * row_has_key
@@ -249,7 +268,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):
+def _sdpa(q, k, v, masking, scale, dropout_p, is_causal):
+    allowed, bias, nonempty_rows = masking
     hq, hkv = q.shape[1], k.shape[1]
     # tokens-last (KV cache), expanded, overlapping views: rows of features for SDPA's kernels
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
@@ -264,11 +284,19 @@ def _sdpa(q, k, v, allowed, bias, scale, dropout_p, is_causal):
         )
     row_has_key = None
     attn_mask = bias.to(q.dtype) if bias is not None else None
-    if allowed is not None:
-        row_has_key = allowed.any(dim=-1, keepdim=True)  # (..., tq, 1)
-        open_rows = allowed | ~row_has_key  # empty rows attend to all, then are zeroed
+    if allowed is not None and nonempty_rows:
         attn_mask = (
-            open_rows if attn_mask is None else attn_mask.masked_fill(~open_rows, -torch.inf)
+            allowed
+            if attn_mask is None
+            else attn_mask.masked_fill(allowed.logical_not(), -torch.inf)
+        )
+    elif allowed is not None:
+        row_has_key = allowed.any(dim=-1, keepdim=True)  # (..., tq, 1)
+        open_rows = allowed | row_has_key.logical_not()  # empty rows attend to all, then are zeroed
+        attn_mask = (
+            open_rows
+            if attn_mask is None
+            else attn_mask.masked_fill(open_rows.logical_not(), -torch.inf)
         )
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
@@ -324,7 +352,7 @@ def _split_mask(mask, q, k):
     if mask.dtype == torch.bool:
         return mask, None
     allowed = mask > -torch.inf
-    return allowed, mask.masked_fill(~allowed, 0.0)
+    return allowed, mask.masked_fill(allowed.logical_not(), 0.0)
 
 
 def _check_qkv(q: object, k: object, v: object) -> None:
@@ -562,7 +590,7 @@ def _additive(allowed: torch.Tensor | None, bias: torch.Tensor | None) -> torch.
     if allowed is None:
         return bias
     base = torch.zeros(allowed.shape, device=allowed.device) if bias is None else bias
-    return base.masked_fill(~allowed, -torch.inf)
+    return base.masked_fill(allowed.logical_not(), -torch.inf)
 
 
 def _reads_cache_faster(q: torch.Tensor, k: torch.Tensor) -> bool:

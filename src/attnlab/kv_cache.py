@@ -38,7 +38,7 @@ import torch
 from attnlab import masks
 from attnlab._validate import check_device, check_int
 
-_COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
+COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
 BLOCK_TOKENS = 256  # tokens per block where the native decode step reads the cache
 
 
@@ -87,7 +87,7 @@ class KVCache:
         self.head_dim = check_int("head_dim", head_dim)
         self.window = None if window is None else check_int("window", window)
         self.capacity = self.max_tokens if window is None else min(self.window, self.max_tokens)
-        dtype = _check_storage_dtype(dtype)
+        dtype = check_storage_dtype(dtype)
         device = check_device("device", device)
         shape = (batch_size, num_kv_heads, head_dim * self.capacity)  # blocks of (hd, tokens)
         self._keys_t = torch.zeros(shape, dtype=dtype, device=device)
@@ -179,7 +179,7 @@ class KVCache:
     @property
     def compressed(self) -> bool:
         """True when the buffers are stored narrower than the keys given (bf16, f16, int8)."""
-        return self.dtype in _COMPRESSED
+        return self.dtype in COMPRESSED
 
     def accepts(self, dtype: torch.dtype) -> bool:
         """Whether keys and values of `dtype` can be stored: the cache's own dtype, or for a
@@ -517,8 +517,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales
 
 
-def _check_storage_dtype(dtype: object) -> torch.dtype | None:
-    """None (torch's default), a floating-point dtype, or int8 (quantized)."""
+def check_storage_dtype(dtype: object) -> torch.dtype | None:
+    """`dtype` if it is None (torch's default), a floating-point dtype, or int8 (quantized).
+
+    Raises:
+        TypeError: anything else.
+    """
     if dtype is None:
         return None
     if not isinstance(dtype, torch.dtype):

@@ -331,7 +331,7 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     for m in floats[1:]:
         bias = bias + m
     bias = bias.expand(shape) if bias.shape != shape else bias
-    return bias if allowed is None else bias.masked_fill(~allowed, -torch.inf)
+    return bias if allowed is None else bias.masked_fill(allowed.logical_not(), -torch.inf)
 
 
 def _check_mask(mask: object, *, bool_only: bool, name: str = "mask") -> torch.Tensor:

@@ -119,8 +119,20 @@ class RotaryEmbedding(nn.Module):
         Returns:
             x rotated, in x's dtype.
         """
-        end = start + x.shape[-2]
-        return _rotate(x, self.cos[start:end], self.sin[start:end])
+        tokens = x.shape[-2]
+        return _rotate(x, self.cos.narrow(0, start, tokens), self.sin.narrow(0, start, tokens))
+
+    def rotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rotate() at positions held on the device (a StaticKVCache's), read by index.
+
+        Args:
+            x: (b, heads, t, head_dim) on the tables' device.
+            positions: (t,) integer positions, each < max_positions (the caller's check).
+
+        Returns:
+            x rotated, token j as positions[j], in x's dtype.
+        """
+        return _rotate(x, self.cos.index_select(0, positions), self.sin.index_select(0, positions))
 
 
 def rotary_tables(
@@ -187,7 +199,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """apply_rotary without the checks."""
     x32 = x.float()
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # rotate_half
+    rotated = torch.cat(
+        [-x32.narrow(-1, half, half), x32.narrow(-1, 0, half)], dim=-1
+    )  # rotate_half
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 

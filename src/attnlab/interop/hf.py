@@ -146,7 +146,7 @@ def attention_forward(
     # over those keys is then the same mask
     reached = masks.visible_keys(query.shape[2] - 1).stop if causal else tk
     if reached < tk:
-        key, value = key[:, :, :reached], value[:, :, :reached]
+        key, value = key.narrow(2, 0, reached), value.narrow(2, 0, reached)
     need_weights = arguments.pop("need_weights")
     result = functional.attention(
         query,
@@ -226,7 +226,7 @@ def _with_bias(mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Te
     if mask is None:
         return bias
     if mask.dtype == torch.bool:
-        return bias.masked_fill(~mask, -torch.inf)  # (b, h, tq, tk)
+        return bias.masked_fill(mask.logical_not(), -torch.inf)  # (b, h, tq, tk)
     return bias + mask.to(bias.dtype)
 
 
