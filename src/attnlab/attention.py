@@ -390,10 +390,10 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             nonempty_rows=mask is visible,  # each query sees its own slot
         )
-        cache.advance(x.shape[1])
-        if not need_weights:
-            return self._combine_heads(result)
-        return self._combine_heads(result[0]), result[1]
+        out, weights = result if need_weights else (result, None)
+        out = self._combine_heads(out)
+        cache.advance(x.shape[1])  # last: a step that raised has moved nothing
+        return (out, weights) if need_weights else out
 
     def _combine_heads(self, out: torch.Tensor) -> torch.Tensor:
         """The heads' outputs (b, h, tq, hd) through out_proj: (b, tq, out_proj's width)."""

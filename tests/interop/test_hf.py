@@ -193,6 +193,32 @@ def test_generate_with_a_static_cache_equals_eager():
         torch.testing.assert_close(ours_step, eager_step, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_compiled_generate_with_a_static_cache_equals_sdpa_and_compiles_as_often(kind):
+    """generate(cache_implementation="static") with the model's forward compiled whole
+    (fullgraph): the same ids as sdpa's, and no more graphs (a prefill, then one decode
+    graph for every position)."""
+    from torch._dynamo.testing import CompileCounter
+
+    results, graphs = {}, {}
+    for implementation in ("sdpa", "attnlab"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            CONFIGS[kind](), attn_implementation=implementation
+        ).eval()
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+        ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+        options = dict(max_new_tokens=20, do_sample=False, cache_implementation="static")
+        results[implementation] = model.generate(
+            ids, attention_mask=torch.ones_like(ids), **options
+        )
+        graphs[implementation] = counter.frame_count
+    assert torch.equal(results["attnlab"], results["sdpa"])
+    assert graphs["attnlab"] == graphs["sdpa"] == 2
+
+
 def test_conversions_refuse_a_wrong_module_with_type_error():
     eager, _ = _pair("llama")
     layer, linear = eager.model.layers[0].self_attn, torch.nn.Linear(64, 64)
@@ -526,6 +552,11 @@ SABOTAGED = [
         ]
     ),
     pytest.param(test_generate_with_a_static_cache_equals_eager, (), id="static_cache"),
+    pytest.param(
+        test_compiled_generate_with_a_static_cache_equals_sdpa_and_compiles_as_often,
+        ("llama",),
+        id="compiled_static_cache",
+    ),
 ]
 
 

@@ -162,7 +162,10 @@ def attention_forward(
     out, weights = result if need_weights else (result, None)
     if weights is not None and weights.shape[-1] < tk:  # the cut keys weigh nothing
         weights = F.pad(weights, (0, tk - weights.shape[-1]))  # (b, h, tq, tk)
-    return out.transpose(1, 2).contiguous(), weights  # (b, h, tq, d) -> (b, tq, h, d)
+    out = out.transpose(1, 2)  # (b, h, tq, d) -> (b, tq, h, d), contiguous as sdpa's
+    if not out.is_contiguous():  # (SDPA's CUDA kernels often return it laid out so already)
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out, weights
 
 
 setattr(attention_forward, MARKER, True)
