@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from attnlab import KVCache, MultiHeadAttention, flash_cpu, functional, masks
 from attnlab.kv_cache import BLOCK_TOKENS
+from tests.decode_reference import DispatchedOps, GptFastLayer
 from tests.definitions import decode, module_reference, window_allowed
 
 seeds = st.integers(0, 2**31 - 1)
@@ -346,8 +347,9 @@ def test_cached_weights_are_the_full_forwards_in_position_order(window):
             start += size
 
 
+@pytest.mark.parametrize("tokens_last", [True, False])
 @pytest.mark.parametrize("window", [None, 3])
-def test_backward_through_two_cached_chunks_equals_the_full_forwards(window):
+def test_backward_through_two_cached_chunks_equals_the_full_forwards(window, tokens_last):
     """Training through a cache: the second chunk's write does not break the first chunk's
     backward (it once raised 'modified by an inplace operation'), and gradients equal the
     full forward's."""
@@ -356,7 +358,7 @@ def test_backward_through_two_cached_chunks_equals_the_full_forwards(window):
     x = torch.randn(2, 7, 4)
     target = torch.randn(2, 7, 8)
     full_grads = torch.autograd.grad((m(x) * target).sum(), list(m.parameters()))
-    cache = m.make_cache(2)
+    cache = KVCache(2, 16, 2, 4, window=window, tokens_last=tokens_last)
     out = torch.cat([m(x[:, :4], cache=cache), m(x[:, 4:], cache=cache)], dim=1)
     grads = torch.autograd.grad((out * target).sum(), list(m.parameters()))
     for grad, full_grad in zip(grads, full_grads, strict=True):
@@ -370,7 +372,7 @@ def test_backward_through_two_cached_chunks_equals_the_full_forwards(window):
     chunks=st.lists(st.integers(1, 150), min_size=1, max_size=6),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     fail_last=st.booleans(),
-    block=st.sampled_from([None, 16, BLOCK_TOKENS]),
+    block=st.sampled_from([None, 16, BLOCK_TOKENS, "rows"]),
 )
 def test_the_blocked_storage_gives_back_every_token_it_holds(
     capacity, rolling, chunks, dtype, fail_last, block
@@ -382,7 +384,8 @@ def test_the_blocked_storage_gives_back_every_token_it_holds(
     hkv, hd = 2, 4
     max_tokens = 10 * capacity if rolling else capacity
     window = capacity if rolling else None
-    cache = KVCache(1, max_tokens, hkv, hd, dtype=dtype, window=window, block_tokens=block)
+    layout = {"tokens_last": False} if block == "rows" else {"block_tokens": block}
+    cache = KVCache(1, max_tokens, hkv, hd, dtype=dtype, window=window, **layout)
     given = []  # every token's key, in position order
     for n in chunks:
         n = n if rolling else min(n, capacity - cache.position)
@@ -429,3 +432,54 @@ def test_a_bfloat16_cache_refuses_float16_keys_at_the_door():
     with torch.no_grad(), pytest.raises(TypeError, match=r"the cache is torch\.bfloat16"):
         m(torch.randn(1, 2, 8, dtype=torch.float16), cache=cache)
     assert cache.position == 0
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_cache_of_rows_decodes_as_the_tokens_last_one(window, dtype):
+    """The layout make_cache gives off the CPU (rows: what SDPA reads without a copy), on
+    the CPU: the same outputs as the CPU's own layout, chunks wrapping a rolling window."""
+    torch.manual_seed(7)
+    m = MultiHeadAttention(8, 16, 32, 0.0, 4, num_kv_heads=2, window=window, rope=True).eval()
+    x = torch.randn(2, 11, 8)
+    outs = {}
+    with torch.no_grad():
+        for tokens_last in (True, False):
+            cache = KVCache(2, 32, 2, 4, dtype=dtype, window=window, tokens_last=tokens_last)
+            chunks = [m(x[:, :3], cache=cache), m(x[:, 3:7], cache=cache)]
+            chunks += [m(x[:, i : i + 1], cache=cache) for i in range(7, 11)]
+            outs[tokens_last] = torch.cat(chunks, dim=1)
+            assert cache.values.shape == (2, 2, cache.capacity, 4)
+    torch.testing.assert_close(outs[False], outs[True], atol=1e-6, rtol=1e-5)
+
+
+def test_off_the_cpu_make_cache_lays_tokens_out_as_rows_and_reads_them_uncopied():
+    m = MultiHeadAttention(8, 16, 32, 0.0, 4, device="meta")
+    cache = m.make_cache(2)
+    assert not cache.tokens_last and m.make_cache(2, device="cpu").tokens_last
+    with torch.no_grad():
+        m(torch.randn(2, 3, 8, device="meta"), cache=cache)
+    keys, _, _ = cache.append(
+        torch.randn(2, 4, 1, 4, device="meta"), torch.randn(2, 4, 1, 4, device="meta")
+    )
+    assert keys.stride(-1) == 1  # SDPA's rows: no copy (dense_rows keeps it)
+    with pytest.raises(ValueError, match=r"block_tokens \(16\) lays out a tokens-last cache"):
+        KVCache(1, 32, 1, 4, block_tokens=16, tokens_last=False)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_a_cached_decode_step_off_the_cpu_dispatches_at_most_1_1x_a_minimal_layers_ops(kv_heads):
+    """Counted on the meta device (the GPU's path): no copy of the cache, no clone for the
+    transaction, no expand of the key/value heads beyond what SDPA does on both sides."""
+    m = MultiHeadAttention(64, 64, 64, 0.0, 4, num_kv_heads=kv_heads, device="meta")
+    reference = GptFastLayer(64, 4, kv_heads, 64, batch=2, device="meta")
+    x = torch.randn(2, 1, 64, device="meta")
+    with torch.no_grad():
+        cache = m.make_cache(2)
+        m(torch.randn(2, 5, 64, device="meta"), cache=cache)
+        with DispatchedOps() as ours:
+            m(x, cache=cache)
+        with DispatchedOps() as theirs:
+            reference(x, torch.tensor([5], device="meta"))
+    assert sum(ours.ops.values()) <= 1.1 * sum(theirs.ops.values()), (ours.ops, theirs.ops)
+    assert ours.ops["aten.clone"] <= theirs.ops["aten.clone"]

@@ -3,20 +3,17 @@ layout and storage dtype; a decode loop compiles once for every position; a step
 dispatches no more ops than a minimal static-cache SDPA layer; errors leave the cache as it
 was."""
 
-from collections import Counter
-
 import pytest
 import torch
 import torch._dynamo
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.testing import CompileCounter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab import MultiHeadAttention
 from attnlab.static_cache import StaticKVCache
+from tests.decode_reference import DispatchedOps, GptFastLayer
 
 D_IN = 32
 
@@ -175,61 +172,19 @@ def test_a_cache_longer_than_the_context_or_made_for_other_heads_is_refused():
         module.make_cache(1, 16, static="yes")
 
 
-class _GptFastLayer(nn.Module):
-    """A minimal static-cache SDPA layer as gpt-fast and transformers' StaticCache write it:
-    the reference for the number of ops a decode step dispatches."""
-
-    def __init__(self, d, heads, kv_heads, capacity, batch, device):
-        super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
-        kv = kv_heads * self.hd
-        self.wqkv = nn.Linear(d, d + 2 * kv, bias=False, device=device)
-        self.wo = nn.Linear(d, d, device=device)
-        shape = (batch, kv_heads, capacity, self.hd)
-        self.k_cache = torch.zeros(shape, device=device)
-        self.v_cache = torch.zeros(shape, device=device)
-        self.causal = torch.ones(capacity, capacity, dtype=torch.bool, device=device).tril()
-
-    def forward(self, x, input_pos):
-        b, t, d = x.shape
-        kv = self.kv_heads * self.hd
-        q, k, v = self.wqkv(x).split([d, kv, kv], dim=-1)
-        q = q.view(b, t, self.heads, self.hd).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads, self.hd).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.hd).transpose(1, 2)
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
-        mask = self.causal[None, None, input_pos]
-        grouped = self.kv_heads != self.heads
-        y = F.scaled_dot_product_attention(
-            q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=grouped
-        )
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kv_heads", [4, 1])
 def test_a_decode_step_dispatches_no_more_ops_than_a_minimal_static_cache_layer(kv_heads):
     """Counted on the meta device, which takes the GPU's path (no CPU kernel, no value
     read): what a decode step launches on a GPU, SDPA's own ops alike on both sides."""
     module = MultiHeadAttention(64, 64, 64, 0.0, 4, num_kv_heads=kv_heads, device="meta")
-    reference = _GptFastLayer(64, 4, kv_heads, 64, batch=2, device="meta")
+    reference = GptFastLayer(64, 4, kv_heads, 64, batch=2, device="meta")
     x = torch.randn(2, 1, 64, device="meta")
     with torch.no_grad():
         cache = module.make_cache(2, 64, static=True)
         module(torch.randn(2, 5, 64, device="meta"), cache=cache)
-        with _Ops() as ours:
+        with DispatchedOps() as ours:
             module(x, cache=cache)
-        with _Ops() as theirs:
+        with DispatchedOps() as theirs:
             reference(x, torch.tensor([5], device="meta"))
     assert sum(ours.ops.values()) <= sum(theirs.ops.values()), (ours.ops, theirs.ops)
     assert not {"_local_scalar_dense", "clone", "_to_copy"} & {

@@ -227,6 +227,7 @@ class MultiHeadAttention(nn.Module):
         weight = self._parameter()
         dtype = weight.dtype if dtype is None else dtype  # KVCache checks it
         device = weight.device if device is None else check_device("device", device)
+        device = torch.device(device)
         max_tokens = self.context_length if max_tokens is None else max_tokens
         if check_bool("static", static):
             cache = StaticKVCache(
@@ -244,6 +245,7 @@ class MultiHeadAttention(nn.Module):
             device=device,
             window=self.window,
             block_tokens=BLOCK_TOKENS if native else None,  # the native step's layout
+            tokens_last=device.type == "cpu",  # elsewhere rows: what SDPA reads uncopied
         )
 
     def forward(

@@ -16,6 +16,11 @@ context is a separate 1 KiB read, capacity apart); the Python path then copies t
 tokens out of the blocks. The buffers are (b, hkv, hd * capacity); `keys` and `values` give
 them back as (b, hkv, capacity, hd).
 
+Off the CPU (make_cache's choice for any other device) the tokens are rows instead
+(`tokens_last=False`): each head's buffer is (capacity, hd) row-major, one block, the layout
+SDPA's GPU kernels read without a copy; the tokens-last layout would be copied whole at
+every decoded token there.
+
 Writes are in place, except where autograd records them (keys or values that require grad,
 or buffers that already hold such): there a write makes new buffers, so that a backward
 through several cached calls finds the tensors it saved unchanged.
@@ -36,7 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from attnlab import masks
-from attnlab._validate import check_device, check_int
+from attnlab._validate import check_bool, check_device, check_int
 
 COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
 BLOCK_TOKENS = 256  # tokens per block where the native decode step reads the cache
@@ -62,6 +67,8 @@ class KVCache:
         block_tokens: store each head's tokens in blocks of this many (see the module's
             docstring; MultiHeadAttention.make_cache gives BLOCK_TOKENS where its native
             decode step reads the cache); default one block of the whole capacity.
+        tokens_last: store each block (hd, tokens) (the default: the CPU's layout), or,
+            False, each head's tokens as rows (capacity, hd) in one block (a GPU's).
 
     Raises:
         TypeError: a size that is not an int, a dtype that is neither floating point nor
@@ -80,6 +87,7 @@ class KVCache:
         device: torch.device | str | None = None,
         window: int | None = None,
         block_tokens: int | None = None,
+        tokens_last: bool = True,
     ) -> None:
         self.batch_size = check_int("batch_size", batch_size)
         self.max_tokens = check_int("max_tokens", max_tokens)
@@ -95,6 +103,13 @@ class KVCache:
         self.block = (
             self.capacity if block_tokens is None else check_int("block_tokens", block_tokens)
         )
+        self.tokens_last = check_bool("tokens_last", tokens_last)
+        if not tokens_last and block_tokens is not None:
+            raise ValueError(
+                f"block_tokens ({block_tokens}) lays out a tokens-last cache: give "
+                f"tokens_last=True with it, or no block_tokens"
+            )
+        self._token_dim = 3 if tokens_last else 2  # of a block's view (b, hkv, ., .)
         self._key_scales = self._value_scales = None
         if self.dtype == torch.int8:  # one float32 scale per token and head: (b, hkv, capacity)
             scales = (batch_size, num_kv_heads, self.capacity)
@@ -129,7 +144,7 @@ class KVCache:
     def keys_t(self) -> torch.Tensor:
         """The key buffer as stored, (b, hkv, hd * capacity), for native kernels: each head's
         tokens in blocks of `block` tokens (the last may hold fewer), a block of n tokens
-        (hd, n) row-major."""
+        (hd, n) row-major (with tokens_last=False, one block (capacity, hd))."""
         return self._keys_t
 
     @property
@@ -139,7 +154,11 @@ class KVCache:
 
     def _columns(self, slots: torch.Tensor) -> torch.Tensor:
         """Where slots (n,) live in a buffer's last axis: (hd, n) element offsets, row d of
-        slot t at (t's block's first slot) * hd + d * (the block's tokens) + t's place in it."""
+        slot t at (t's block's first slot) * hd + d * (the block's tokens) + t's place in it;
+        (n, hd) offsets slot * hd + d for a cache of rows."""
+        if not self.tokens_last:
+            features = torch.arange(self.head_dim, device=slots.device)
+            return slots.unsqueeze(1) * self.head_dim + features  # (n, hd)
         start = torch.div(slots, self.block, rounding_mode="floor") * self.block
         length = (self.capacity - start).clamp(max=self.block)  # tokens in each slot's block
         rows = torch.arange(self.head_dim, device=slots.device).unsqueeze(1)  # (hd, 1)
@@ -148,13 +167,13 @@ class KVCache:
     def _tokens(self, buffer: torch.Tensor, num: int) -> torch.Tensor:
         """The first `num` slots of a blocked buffer as (b, hkv, num, hd), as stored (a view
         within one block, else a copy)."""
-        pieces = self._pieces(buffer, 0, num)  # (b, hkv, hd, m) each
-        held = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)  # (b, hkv, hd, num)
-        return held.transpose(-2, -1)
+        pieces = self._pieces(buffer, 0, num)  # (b, hkv, hd, m) each, or (b, hkv, m, hd)
+        held = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self._token_dim)
+        return held.transpose(-2, -1) if self.tokens_last else held  # (b, hkv, num, hd)
 
     def _pieces(self, buffer: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
         """Views (b, hkv, hd, m) of the consecutive slots start .. stop - 1, block by block
-        (0 <= start <= stop <= capacity)."""
+        (0 <= start <= stop <= capacity); (b, hkv, m, hd) for a cache of rows."""
         if not 0 <= start <= stop <= self.capacity:
             raise ValueError(f"slots {start}..{stop - 1} are not within the {self.capacity} held")
         batch, heads, hd = *buffer.shape[:2], self.head_dim
@@ -162,10 +181,13 @@ class KVCache:
         while slot < stop or not pieces:
             first = slot // self.block * self.block
             length = min(self.block, self.capacity - first)
-            # (b, hkv, hd * length) -> (b, hkv, hd, length): one block
-            block = buffer.narrow(2, first * hd, hd * length).view(batch, heads, hd, length)
+            block = buffer.narrow(2, first * hd, hd * length)  # (b, hkv, hd * length)
+            if self.tokens_last:
+                block = block.view(batch, heads, hd, length)  # (b, hkv, hd, length)
+            else:
+                block = block.view(batch, heads, length, hd)  # (b, hkv, length, hd)
             end = min(stop, first + length)
-            pieces.append(block.narrow(3, slot - first, end - slot))
+            pieces.append(block.narrow(self._token_dim, slot - first, end - slot))
             slot = end
         return pieces
 
@@ -399,11 +421,11 @@ class KVCache:
         if grad:
             columns = self._columns(slots).flatten()  # in the order of (hd, n)
         for name, x in (("keys", k), ("values", v)):
-            stored, scales = self._encode(x)  # (b, hkv, hd, n), (b, hkv, n) or None
+            stored, scales = self._encode(x)  # (b, hkv, hd, n) or rows, (b, hkv, n) or None
             buffer_name, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
             buffer = getattr(self, buffer_name)
             if grad:
-                flat = stored.reshape(*stored.shape[:2], -1)  # (b, hkv, hd, n) -> (b, hkv, hd * n)
+                flat = stored.reshape(*stored.shape[:2], -1)  # (b, hkv, hd * n), as _columns orders
                 setattr(self, buffer_name, buffer.index_copy(2, columns, flat))
             else:
                 self._copy_in(buffer, first, stored)
@@ -413,23 +435,25 @@ class KVCache:
                 setattr(self, scales_name, put(2, slots, scales))
 
     def _copy_in(self, buffer: torch.Tensor, first: int, stored: torch.Tensor) -> None:
-        """stored (b, hkv, hd, n) copied in place into the n slots from `first` on (wrapping
-        past the capacity: at most two runs of consecutive slots)."""
-        n, done = stored.shape[3], 0
+        """stored (b, hkv, hd, n) (or rows (b, hkv, n, hd)) copied in place into the n slots
+        from `first` on (wrapping past the capacity: at most two runs of consecutive slots)."""
+        axis = self._token_dim
+        n, done = stored.shape[axis], 0
         while done < n:
             start = (first + done) % self.capacity
             stop = min(self.capacity, start + n - done)
             for piece in self._pieces(buffer, start, stop):
-                piece.copy_(stored.narrow(3, done, piece.shape[3]))
-                done += piece.shape[3]
+                piece.copy_(stored.narrow(axis, done, piece.shape[axis]))
+                done += piece.shape[axis]
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (b, hkv, n, hd) in the stored layout and dtype (b, hkv, hd, n), and an int8
-        store's scales (b, hkv, n)."""
-        if self.dtype != torch.int8:
-            return x.transpose(-2, -1).to(self.dtype), None  # (b, hkv, hd, n)
-        quantized, scales = quantize(x)
-        return quantized.transpose(-2, -1), scales  # (b, hkv, hd, n)
+        """x (b, hkv, n, hd) in the stored layout and dtype ((b, hkv, hd, n) tokens last, as
+        given for rows), and an int8 store's scales (b, hkv, n)."""
+        scales = None
+        if self.dtype == torch.int8:
+            x, scales = quantize(x)
+        x = x.to(self.dtype)
+        return (x.transpose(-2, -1) if self.tokens_last else x), scales
 
     def _records_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         if not torch.is_grad_enabled():

@@ -185,7 +185,7 @@ def native_decode(
 def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:
     """The cache's dtype, window, room and writability for the kernel."""
     keys = cache.keys_t
-    if not decode_cpu.reads_buffer(keys) or cache.records_grad:
+    if not cache.tokens_last or not decode_cpu.reads_buffer(keys) or cache.records_grad:
         return False
     if cache.locked_by_inference_mode:
         return False  # forward refuses to write it: never written behind its back
