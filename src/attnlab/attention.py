@@ -304,8 +304,20 @@ class MultiHeadAttention(nn.Module):
             out = self._native_step(x, cache)  # the plan's allow-list: layers of exact shapes
             if out is not None:
                 return out
-        self._check_layers(start, x.shape[1], context)
+        self._check_layers(start, x.shape[1], context)  # what the Python path will call
         self._check_finite("x", x)
+        return self._execute(x, context, mask, need_weights, start, cache)
+
+    def _execute(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        need_weights: bool,
+        start: int,
+        cache: KVCache | StaticKVCache | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The Python path for a checked call, by the cache it writes (if any)."""
         if cache is None:
             return self._attend(x, context, mask, need_weights, start, None)
         if isinstance(cache, StaticKVCache):  # its position moves only once the step is done
