@@ -2,7 +2,9 @@
 is asserted (times on shared machines are noise): only that they exist and are consistent."""
 
 import json
+import math
 import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from attnlab import cli
 from attnlab.bench import compare
 from attnlab.bench.compare import MODES
+from attnlab.bench.decode_peers import KVCACHE, PEER, STATIC
 from attnlab.bench.memory import (
     CORE_BACKWARD_NAME,
     CORE_NAME,
@@ -50,6 +53,28 @@ def test_decode_quick_end_to_end(tmp_path, capsys):
         if row["cache_dtype"] == "float32" and row["batch"] == 1
     }
     assert per_token == {12: 2 * 12 * 64 * 4, 4: 2 * 4 * 64 * 4, 1: 2 * 1 * 64 * 4}
+    _check_static_peers(report["static_peers"])
+
+
+def _check_static_peers(peers):
+    """The table against a static-cache SDPA layer: every implementation eager at every
+    layout and context, each with its floor and its ratio to the SDPA layer's step."""
+    assert (peers["device"], peers["layers"], peers["steps"], peers["notes"]) == ("cpu", 2, 2, [])
+    assert peers["capacity"] == 128 + 2 and peers["compile_mode"] is None
+    rows = {(r["num_kv_heads"], r["context"], r["implementation"]): r for r in peers["rows"]}
+    names = (KVCACHE, STATIC, PEER)
+    assert sorted(rows) == sorted((kv, c, n) for kv in (12, 4) for c in (32, 128) for n in names)
+    for (kv, context, _), row in rows.items():
+        assert row["skipped"] == "" and not row["compiled"]
+        for key in ("step_s", "peer_s", "read_bytes_per_s", "floor_s", "over_floor", "vs_peer"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        weights = 768 * (768 + 2 * kv * 64) + 768 * 768 + 768  # fused qkv, out_proj with bias
+        held = context + 0.5  # the mean of context and context + 1 tokens over the 2 steps
+        assert row["bytes_read"] == 2 * (4 * weights + int(held * 2 * kv * 64 * 4))
+        assert row["floor_s"] == pytest.approx(row["bytes_read"] / row["read_bytes_per_s"])
+        assert row["over_floor"] == pytest.approx(row["step_s"] / row["floor_s"])
+        assert row["peer_s"] == rows[kv, context, PEER]["step_s"]
+        assert row["vs_peer"] == pytest.approx(row["step_s"] / row["peer_s"])
 
 
 def test_compare_quick_end_to_end(tmp_path, capsys):
@@ -163,9 +188,22 @@ def test_bench_modes_exclude_each_other(capsys):
         (["--plot", "no/such/folder/chart.png"], "does not exist"),
         (["--json", "no/such/folder/f.json"], "does not exist"),
         (["--memory", "--plot", "chart.png"], "--plot applies to the comparison only"),
-        (["--memory", "--tokens", "8"], "--tokens applies to the comparison and --parallel only"),
-        (["--decode", "--dtype", "float16"], "--dtype applies to the comparison and --memory"),
+        (
+            ["--memory", "--tokens", "8"],
+            "--tokens applies to the comparison, --parallel and --hf only",
+        ),
+        (["--decode", "--batch", "2"], "--batch applies to the comparison and --hf only"),
+        (
+            ["--kernel", "--dtype", "float16"],
+            "--dtype applies to the comparison, --memory, --decode and --hf only",
+        ),
+        (["--padded", "--device", "cpu"], "--device applies to the comparison, --memory, --decode"),
         (["--contexts", "8,16"], "--contexts applies to --decode only"),
+        (["--hf", "--contexts", "8,16"], "--contexts applies to --decode only"),
+        (["--compile"], "--compile applies to --decode and --hf only"),
+        (["--memory", "--compile"], "--compile applies to --decode and --hf only"),
+        (["--hf", "--plot", "chart.png"], "--plot applies to the comparison only"),
+        (["--hf", "--decode"], "argument --decode: not allowed with argument --hf"),
     ],
 )
 def test_bench_usage_errors(argv, message, capsys):
@@ -176,11 +214,25 @@ def test_bench_usage_errors(argv, message, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-def test_cuda_absent_is_a_usage_error(capsys):
+@pytest.mark.parametrize(
+    "mode", [[], ["--memory"], ["--decode"], ["--decode", "--compile"], ["--hf"]]
+)
+def test_cuda_absent_is_a_usage_error(mode, capsys, no_measuring):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "--device", "cuda", "--quick"])
+        cli.main(["bench", *mode, "--device", "cuda", "--dtype", "bfloat16", "--quick"])
     assert exit_info.value.code == 2
-    assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # one line, not a traceback
+    assert last.startswith("attnlab: error: --device cuda: no CUDA device is available to")
+
+
+def test_hf_without_transformers_is_a_usage_error(capsys, monkeypatch, no_measuring):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--hf", "--quick"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "bench --hf: transformers is not installed; install it with" in err
 
 
 @pytest.mark.parametrize("contexts", ["1,2", "a", ""])
@@ -247,7 +299,8 @@ def no_measuring(monkeypatch):
     """Any bench mode that starts measuring fails the test."""
     import attnlab.bench
 
-    for command in ("compare_command", "memory_command", "decode_command", "parallel_command"):
+    commands = ("compare_command", "memory_command", "decode_command", "parallel_command")
+    for command in (*commands, "hf_command"):
         monkeypatch.setattr(attnlab.bench, command, _never_run)
 
 
@@ -261,6 +314,7 @@ def no_measuring(monkeypatch):
         (["--decode", "--contexts", "256,100000000"], "--decode --contexts 100000000"),
         (["--parallel", "2", "--tokens", "400000000"], "--parallel 2 --tokens 400000000"),
         (["--parallel", "100000", "--quick"], "--parallel 100000 --tokens 6400000"),
+        (["--hf", "--tokens", "100000", "--batch", "1000"], "--hf --tokens 100000 --batch 1000"),
     ],
 )
 def test_absurd_sizes_are_refused_before_running(argv, options, capsys, no_measuring):
@@ -272,7 +326,14 @@ def test_absurd_sizes_are_refused_before_running(argv, options, capsys, no_measu
 
 
 @pytest.mark.parametrize(
-    "argv", [["--quick"], ["--memory", "--quick"], ["--decode", "--quick"], ["--parallel", "2"]]
+    "argv",
+    [
+        ["--quick"],
+        ["--memory", "--quick"],
+        ["--decode", "--quick"],
+        ["--parallel", "2"],
+        ["--hf", "--quick"],
+    ],
 )
 def test_every_mode_is_refused_above_the_available_memory(argv, capsys, monkeypatch, no_measuring):
     from attnlab.bench import budget
@@ -326,6 +387,7 @@ def test_default_sizes_fit_a_small_machine():
         ["bench", "--decode"],
         ["bench", "--memory"],
         ["bench", "--parallel", "4"],
+        ["bench", "--hf"],
     ):
         args = parser.parse_args(argv)
         needed, _ = bench_cli.estimate_bytes(args, bench_cli.mode_of(args))

@@ -42,3 +42,17 @@ def test_without_sysfs_the_read_is_256_mib(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, "_CACHES", tmp_path / "absent")
     assert timing.last_level_cache_bytes() == 0
     assert timing.read_bytes() == 256 * 2**20
+
+
+def test_the_device_copy_moves_each_byte_in_and_out():
+    copy, moved = timing.device_copy("cpu", 2**20)
+    target = copy()
+    assert moved == 2 * 2**20
+    assert target.nbytes == 2**20 and bool((target == 1).all())
+
+
+def test_the_probe_reads_on_the_cpu_and_copies_on_a_device():
+    read, read_bytes = timing.bandwidth_probe("cpu", 2**20)
+    assert read_bytes == 2**20 and float(read()) == 2**20 / 4  # a sum of ones
+    copy, moved = timing.bandwidth_probe("meta", 2**20)  # any device but the CPU's
+    assert moved == 2 * 2**20 and copy().device.type == "meta"

@@ -16,6 +16,9 @@ Models (b batch, t tokens, d model width, h heads, s bytes per element, L layers
   and the gradients of q, k and v (8 b t d s).
 - decode: L layers of cache for the longest context, 2 t d s each, plus the recomputation
   of that context through one layer, 8 t d s, plus the weights, 4 d^2 s per layer.
+- hf: per element, the two models' weights and gradients, 4 (12 L d^2 + V d) (their
+  layers' matrices and the embedding), and the logits, their gradient and a copy, 3 b t V,
+  at the forward's (batch, tokens), s bytes each.
 - parallel: one process holding the whole sequence, 8 t d s, then N processes, each with
   its 1/N share (8 t d s / N) and the torch runtime of a process (PROCESS_BYTES).
 """
@@ -70,6 +73,14 @@ def decode_bytes(context: int, *, d_model: int, layers: int, itemsize: int, batc
     per_token = d_model * itemsize
     weights = 4 * d_model * d_model * itemsize
     return layers * (2 * batch * context * per_token + weights) + 8 * context * per_token
+
+
+def hf_bytes(
+    batch: int, tokens: int, *, d_model: int, layers: int, vocab: int, itemsize: int
+) -> int:
+    """Peak estimate of the transformers models' run (module docstring)."""
+    weights = 12 * layers * d_model**2 + vocab * d_model
+    return (4 * weights + 3 * batch * tokens * vocab) * itemsize
 
 
 def parallel_bytes(world: int, tokens: int, *, d_model: int, itemsize: int) -> int:

@@ -17,12 +17,14 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 BENCH_OPTIONS = {
     "contexts": ("decode",),
     "flex": ("compare",),
-    "device": ("compare", "memory"),
-    "dtype": ("compare", "memory"),
-    "tokens": ("compare", "parallel"),
-    "batch": ("compare",),
+    "device": ("compare", "memory", "decode", "hf"),
+    "dtype": ("compare", "memory", "decode", "hf"),
+    "tokens": ("compare", "parallel", "hf"),
+    "batch": ("compare", "hf"),
     "plot": ("compare",),
+    "compile": ("decode", "hf"),
 }
+ON_DEVICE = ("compare", "memory", "decode", "hf")  # the modes whose memory is --device's
 DEFAULT_CONTEXTS = (256, 1024, 4096)
 PARALLEL_HEADS, PARALLEL_HEAD_DIM = 12, 64  # as attnlab.bench.parallel.run_parallel
 
@@ -60,6 +62,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "and attention alone, attnlab against SDPA",
     )
     mode.add_argument(
+        "--hf",
+        action="store_true",
+        help="transformers models (GPT-2 small, a Llama of its size) with "
+        "attn_implementation='attnlab' against 'sdpa': forward and greedy generate "
+        "(needs transformers)",
+    )
+    mode.add_argument(
         "--parallel",
         type=positive_int,
         metavar="N",
@@ -77,10 +86,21 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("cpu", "cuda"), help="where to run (default: cpu)")
     bench.add_argument("--dtype", choices=DTYPES, help="parameters and inputs (default: float32)")
     bench.add_argument(
-        "--tokens", type=positive_int, metavar="N", help="tokens per sequence (default: 1024)"
+        "--compile",
+        action="store_true",
+        help="for --decode and --hf: also torch.compile(mode='reduce-overhead'), beside eager",
     )
     bench.add_argument(
-        "--batch", type=positive_int, metavar="N", help="sequences (default: 2 on cpu, 8 on cuda)"
+        "--tokens",
+        type=positive_int,
+        metavar="N",
+        help="tokens per sequence (default: 1024; --hf: 512 on cpu, 1024 on cuda)",
+    )
+    bench.add_argument(
+        "--batch",
+        type=positive_int,
+        metavar="N",
+        help="sequences (default: 2 on cpu, 8 on cuda; --hf: 1 on cpu, 8 on cuda)",
     )
     bench.add_argument("--quick", action="store_true", help="tiny sizes, a smoke test")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -106,9 +126,11 @@ QUICK_NOTE = (
 
 
 def mode_of(args: argparse.Namespace) -> str:
-    """'compare', 'decode', 'memory', 'padded', 'kernel' or 'parallel'."""
+    """'compare', 'decode', 'memory', 'padded', 'kernel', 'hf' or 'parallel'."""
     if args.parallel is not None:
         return "parallel"
+    if args.hf:
+        return "hf"
     if args.padded:
         return "padded"
     if args.kernel:
@@ -121,6 +143,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     mode = mode_of(args)
     _check_options(parser, args, mode)
     _check_paths(parser, args)
+    if mode == "hf":
+        _check_transformers(parser)
     import torch  # loads only for bench
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -140,7 +164,8 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, mo
         parser.error(f"bench: --parallel needs at least 2 processes, got {args.parallel}")
     for option, modes in BENCH_OPTIONS.items():
         if getattr(args, option) not in (None, False) and mode not in modes:
-            allowed = " and ".join("the comparison" if m == "compare" else f"--{m}" for m in modes)
+            names = ["the comparison" if m == "compare" else f"--{m}" for m in modes]
+            allowed = " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
             parser.error(f"bench: --{option} applies to {allowed} only")
     if mode == "parallel":
         tokens = parallel_tokens(args)
@@ -149,6 +174,17 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, mo
                 f"bench: --tokens {tokens} must divide by twice --parallel {args.parallel} "
                 f"(the zigzag layout cuts {2 * args.parallel} pieces)"
             )
+
+
+def _check_transformers(parser: argparse.ArgumentParser) -> None:
+    """--hf runs transformers models: a usage error (exit 2) where it is not installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        parser.error(
+            "bench --hf: transformers is not installed; install it with "
+            "pip install 'attnlab[hf]' (or pip install transformers)"
+        )
 
 
 def parallel_tokens(args: argparse.Namespace) -> int:
@@ -198,8 +234,10 @@ def estimate_bytes(args: argparse.Namespace, mode: str) -> tuple[int, str]:
         needed = budget.decode_bytes(
             max(contexts), d_model=GPT2_SMALL["d_model"], layers=layers, itemsize=itemsize
         )
-        needed += QUICK_DECODE["read_bytes"] if args.quick else timing.read_bytes()
+        needed += QUICK_DECODE["read_bytes"] if args.quick else _probe_bytes(args.device)
         return needed, f"--decode --contexts {max(contexts)}"
+    if mode == "hf":
+        return _hf_bytes(args, itemsize)
     if mode == "padded":
         from attnlab.bench.padded import GPT2_SMALL as PADDED
         from attnlab.bench.padded import QUICK_PADDED
@@ -239,12 +277,35 @@ def estimate_bytes(args: argparse.Namespace, mode: str) -> tuple[int, str]:
     return needed, f"--tokens {tokens} --batch {batch}"
 
 
+def _probe_bytes(device: str | None) -> int:
+    """The bandwidth probe's buffers: a read on the CPU, a copy's two buffers on a device."""
+    return 2 * timing.DEVICE_COPY_BYTES if device == "cuda" else timing.read_bytes()
+
+
+def _hf_bytes(args: argparse.Namespace, itemsize: int) -> tuple[int, str]:
+    """--hf's estimate at the forward's (batch, tokens) (budget.hf_bytes)."""
+    from attnlab.bench.hf import MODELS, QUICK_HF, QUICK_MODELS, SIZES
+
+    sizes = QUICK_HF if args.quick else SIZES[args.device or "cpu"]
+    batch, tokens = args.batch or sizes["batch"], args.tokens or sizes["tokens"]
+    _, gpt2 = next(iter((QUICK_MODELS if args.quick else MODELS).values()))  # the larger
+    needed = budget.hf_bytes(
+        batch,
+        tokens,
+        d_model=gpt2["n_embd"],
+        layers=gpt2["n_layer"],
+        vocab=gpt2["vocab_size"],
+        itemsize=itemsize,
+    )
+    return needed, f"--hf --tokens {tokens} --batch {batch}"
+
+
 def _check_memory(parser: argparse.ArgumentParser, args: argparse.Namespace, mode: str) -> None:
     """Refuse (exit 2) a run whose estimated peak exceeds the memory available where it runs."""
     from attnlab.bench.memory import format_bytes
 
     needed, options = estimate_bytes(args, mode)
-    available, where = _available(args.device if mode in ("compare", "memory") else None)
+    available, where = _available(args.device if mode in ON_DEVICE else None)
     if available is not None and needed > available:
         parser.error(
             f"bench: {options} need about {format_bytes(needed)} of memory (estimated from the "
@@ -267,8 +328,27 @@ def _run_mode(args: argparse.Namespace, mode: str) -> int:
 
     from attnlab import bench  # rich and the timers load only here
 
+    device, dtype = args.device or "cpu", getattr(torch, args.dtype or "float32")
     if mode == "decode":
-        bench.decode_command(args.contexts, quick=args.quick, json_path=args.json)
+        bench.decode_command(
+            args.contexts,
+            device=device,
+            dtype=dtype,
+            compile=args.compile,
+            quick=args.quick,
+            json_path=args.json,
+        )
+        return 0
+    if mode == "hf":
+        bench.hf_command(
+            device=device,
+            dtype=dtype,
+            batch=args.batch,
+            tokens=args.tokens,
+            compile=args.compile,
+            quick=args.quick,
+            json_path=args.json,
+        )
         return 0
     if mode == "padded":
         bench.padded_command(quick=args.quick, json_path=args.json)
@@ -280,12 +360,7 @@ def _run_mode(args: argparse.Namespace, mode: str) -> int:
         tokens = parallel_tokens(args)
         bench.parallel_command(args.parallel, tokens=tokens, json_path=args.json)
         return 0
-    options = {
-        "device": args.device or "cpu",
-        "dtype": getattr(torch, args.dtype or "float32"),
-        "quick": args.quick,
-        "json_path": args.json,
-    }
+    options = {"device": device, "dtype": dtype, "quick": args.quick, "json_path": args.json}
     if mode == "memory":
         bench.memory_command(**options)
         return 0

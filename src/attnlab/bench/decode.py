@@ -6,10 +6,12 @@ Decoding one token reads every projection weight and the whole cache once and do
 arithmetic with them, so it is bound by memory traffic: (weight bytes + cache bytes read) /
 read bandwidth is the physical limit a step cannot beat. The bandwidth is measured in the
 same interleaved rounds as the step it bounds, so that a busy neighbour on a shared machine
-slows both alike, by summing a buffer of twice the last-level cache (at least 256 MiB);
-each timed step starts after that read has evicted the CPU's caches, so that its bytes come
-from memory too (a 12-layer stack of grouped or multi-query heads, 60 to 80 MB, otherwise
-runs partly from a large last-level cache and beats the memory floor).
+slows both alike. On the CPU it is a sum over a buffer of twice the last-level cache (at
+least 256 MiB), and each timed step starts after that read has evicted the CPU's caches, so
+that its bytes come from memory too (a 12-layer stack of grouped or multi-query heads, 60
+to 80 MB, otherwise runs partly from a large last-level cache and beats the memory floor).
+On a CUDA device it is a copy between two 512 MiB buffers (the HBM's copy bandwidth,
+timing.device_copy), and steps run back to back, timed with the device synchronised.
 
 The steps table has a row per head layout (multi-head, grouped-query, multi-query), batch
 (1 and 8: the weights are read once for the whole batch, the cache once per sequence),
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench.timing import interleaved_medians, memory_read
+from attnlab.bench.timing import bandwidth_probe, interleaved_medians
 
 GPT2_SMALL = {"d_model": 768, "num_heads": 12, "layers": 12}
 
@@ -79,6 +81,7 @@ class DecodeReport:
     weight_bytes: int
     rows: list[DecodeRow] = field(default_factory=list)
     cache_rows: list[CacheRow] = field(default_factory=list)
+    device: str = "cpu"
 
     @property
     def read_bytes_per_s(self) -> float:
@@ -110,6 +113,7 @@ def run_decode(
     min_run_time: float = 0.2,
     rounds: int = 3,
     read_bytes: int | None = None,
+    device: str | torch.device = "cpu",
     progress: Callable[[str], None] = lambda step: None,
 ) -> DecodeReport:
     """Measure decoding at each context length: the caches hold context - 1 tokens and the
@@ -129,9 +133,10 @@ def run_decode(
         dtype: the modules' dtype.
         min_run_time: seconds per timing.
         rounds: interleaved rounds per row.
-        read_bytes: the buffer read to measure the bandwidth and, before each timed step,
-            to evict the CPU's caches (default timing.read_bytes(): twice the last-level
-            cache, at least 256 MiB).
+        read_bytes: the buffer read to measure the bandwidth and, on the CPU, before each
+            timed step to evict the CPU's caches (default timing.bandwidth_probe's: twice
+            the last-level cache, at least 256 MiB, on the CPU; 512 MiB copied on a device).
+        device: where the layers, caches and inputs live ("cpu" or "cuda").
         progress: called with a description before each row.
 
     Returns:
@@ -139,9 +144,10 @@ def run_decode(
         layout, batch and cache dtype).
     """
     torch.manual_seed(0)
+    device = torch.device(device)
     kv_heads = list(kv_heads) or _default_kv_heads(num_heads)
-    reader = memory_read(nbytes=read_bytes)
-    stack = _stack(d_model, num_heads, num_heads, max(contexts), dtype, layers)
+    reader = bandwidth_probe(device, read_bytes)
+    stack = _stack(d_model, num_heads, num_heads, max(contexts), dtype, layers, device)
     report = DecodeReport(
         d_model,
         num_heads,
@@ -149,6 +155,7 @@ def run_decode(
         str(dtype).removeprefix("torch."),
         torch.get_num_threads(),
         _weight_bytes(stack[0]),
+        device=str(device),
     )
     for context in contexts:
         progress(f"context {context}")
@@ -159,7 +166,7 @@ def run_decode(
     kinds = narrow + [(b, dtype) for b in sorted(batches, reverse=True)]
     for heads in kv_heads:
         grouped = stack if heads == num_heads else None
-        grouped = grouped or _stack(d_model, num_heads, heads, max(contexts), dtype, layers)
+        grouped = grouped or _stack(d_model, num_heads, heads, max(contexts), dtype, layers, device)
         for batch, cache_dtype in kinds:
             progress(f"{heads} key/value heads, batch {batch}, {cache_dtype}")
             caches = _filled_caches(grouped, batch, max(contexts), cache_dtype)
@@ -177,14 +184,38 @@ def _default_kv_heads(num_heads: int) -> list[int]:
     return [num_heads, *grouped, 1]
 
 
-def _stack(d_model, num_heads, num_kv_heads, max_tokens, dtype, layers):
+def _stack(d_model, num_heads, num_kv_heads, max_tokens, dtype, layers, device=None):
     """`layers` attention layers in eval mode, each with its own weights."""
     return [
         MultiHeadAttention(
-            d_model, d_model, max_tokens, 0.0, num_heads, num_kv_heads=num_kv_heads, dtype=dtype
+            d_model,
+            d_model,
+            max_tokens,
+            0.0,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            dtype=dtype,
+            device=device,
         ).eval()
         for _ in range(layers)
     ]
+
+
+def factory(module: MultiHeadAttention) -> dict:
+    """The module's dtype and device, for the tensors fed to it."""
+    weight = module.out_proj.weight
+    return {"dtype": weight.dtype, "device": weight.device}
+
+
+def timing_options(device: torch.device, read: Callable[[], object]) -> dict:
+    """interleaved_medians' options for a step on `device`: on the CPU the step is timed cold
+    (after `read` has evicted the caches), on a device back to back."""
+    return {"cold": {"cached"}, "flush": read} if device.type == "cpu" else {}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """atol = rtol between two ways of computing one decode step's output in `dtype`."""
+    return 1e-4 if dtype.itemsize >= 4 else 2e-2
 
 
 def _weight_bytes(module: MultiHeadAttention) -> int:
@@ -222,12 +253,13 @@ def _decode_steps(modules: Sequence[MultiHeadAttention], context: int):
     first layer alone, through every layer (the timed step), and the first layer's output
     for that token recomputed from scratch over the whole prefix."""
     first = modules[0]
-    x = torch.randn(1, context, first.d_in, dtype=first.out_proj.weight.dtype)  # (b, t, d)
+    x = torch.randn(1, context, first.d_in, **factory(first))  # (b, t, d)
     caches = [module.make_cache(1, context) for module in modules]
     with torch.no_grad():
         first(x[:, :-1], cache=caches[0])  # a real prefill, for the check against recompute
         for cache in caches[1:]:  # the other layers read as many bytes from random keys
-            filler = torch.randn(1, cache.num_kv_heads, context - 1, cache.head_dim)
+            shape = (1, cache.num_kv_heads, context - 1, cache.head_dim)
+            filler = torch.randn(shape, **factory(first))  # (b, hkv, t, hd)
             cache.update(filler, filler)
 
     def first_layer():
@@ -247,7 +279,8 @@ def _decode_steps(modules: Sequence[MultiHeadAttention], context: int):
 def _decode_row(modules, context, reader, min_run_time, rounds) -> DecodeRow:
     first_layer, every_layer, recompute = _decode_steps(modules, context)
     cached, recomputed = first_layer(), recompute()
-    if not torch.allclose(cached, recomputed, atol=1e-4, rtol=1e-4):  # the same token, or no race
+    close = tolerance(cached.dtype)
+    if not torch.allclose(cached, recomputed, atol=close, rtol=close):  # the same token
         error = (cached - recomputed).abs().max().item()
         raise RuntimeError(f"cached decoding differs from recomputing by {error} at {context}")
     read, read_bytes = reader
@@ -255,8 +288,7 @@ def _decode_row(modules, context, reader, min_run_time, rounds) -> DecodeRow:
         {"cached": every_layer, "recompute": recompute, "read": read},
         rounds=rounds,
         min_run_time=min_run_time,
-        cold={"cached"},
-        flush=read,
+        **timing_options(cached.device, read),
     )
     bandwidth = read_bytes / times["read"]
     per_layer = times["cached"] / len(modules)
@@ -269,7 +301,8 @@ def _filled_caches(modules, batch: int, max_tokens: int, cache_dtype: torch.dtyp
     (the same values in each layer, in its own memory)."""
     first = modules[0]
     shape = (batch, first.num_kv_heads, max_tokens - 1, first.head_dim)
-    keys, values = torch.randn(shape), torch.randn(shape)  # (b, hkv, t, hd)
+    keys = torch.randn(shape, **factory(first))  # (b, hkv, t, hd)
+    values = torch.randn(shape, **factory(first))
     caches = [module.make_cache(batch, max_tokens, dtype=cache_dtype) for module in modules]
     with torch.no_grad():
         for cache in caches:
@@ -281,15 +314,14 @@ def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheR
     """The step of one token at position context - 1 through every layer (the caches are
     cropped to context - 1 tokens before each layer's call)."""
     first, batch = modules[0], caches[0].batch_size
-    x = torch.randn(batch, 1, first.d_in, dtype=first.out_proj.weight.dtype)  # (b, 1, d)
+    x = torch.randn(batch, 1, first.d_in, **factory(first))  # (b, 1, d)
     every_layer = stack_step(modules, caches, x, context)
     read, read_bytes = reader
     times = interleaved_medians(
         {"cached": every_layer, "read": read},
         rounds=rounds,
         min_run_time=min_run_time,
-        cold={"cached"},
-        flush=read,
+        **timing_options(x.device, read),
     )
     bandwidth = read_bytes / times["read"]
     cache_dtype = caches[0].dtype

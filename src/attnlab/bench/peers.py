@@ -312,3 +312,82 @@ def machine_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "CPU"
+
+
+class StaticCacheSDPA(nn.Module):
+    """gpt-fast's attention layer, minimal: one fused Linear to q, k, v, fixed-capacity key
+    and value buffers (b, hkv, capacity, hd) written with index_copy_ at positions held on
+    the device, F.scaled_dot_product_attention over the whole capacity with a boolean mask
+    (given by the model, StaticCacheSDPAStack; enable_gqa where heads are grouped), heads
+    merged, output Linear. Its shapes are the same at every position, so a decode
+    loop compiles once. Built as a copy of a plain causal attnlab module (its weights,
+    heads, dtype and device; no rotary positions or window).
+
+    Args:
+        module: the MultiHeadAttention whose weights it takes.
+        batch_size: sequences held.
+        capacity: positions each sequence may reach.
+    """
+
+    def __init__(self, module: MultiHeadAttention, batch_size: int, capacity: int) -> None:
+        super().__init__()
+        weights, out = module.qkv_weights(), module.out_proj
+        self.num_heads, self.num_kv_heads = module.num_heads, module.num_kv_heads
+        self.head_dim, self.kv_dim = module.head_dim, module.kv_dim
+        factory = {"device": out.weight.device, "dtype": out.weight.dtype}
+        rows = module.d_out + 2 * module.kv_dim
+        self.wqkv = nn.Linear(module.d_in, rows, bias=weights.q_bias is not None, **factory)
+        self.wo = nn.Linear(module.d_out, out.out_features, bias=out.bias is not None, **factory)
+        with torch.no_grad():
+            self.wqkv.weight.copy_(torch.cat(weights.weights))  # (d + 2 kv, d_in)
+            if weights.q_bias is not None:
+                self.wqkv.bias.copy_(torch.cat(weights.biases))
+            self.wo.load_state_dict(out.state_dict())
+        shape = (batch_size, self.num_kv_heads, capacity, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, **factory), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, **factory), persistent=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (b, t, d_in) at positions input_pos (t,) (int64, on x's device), mask (1, 1, t,
+        capacity) bool, True where a query may see a slot -> (b, t, d_out)."""
+        b, t, _ = x.shape
+        d = self.num_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([d, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (b, h, t, hd)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, hkv, t, hd)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        y = F.scaled_dot_product_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            attn_mask=mask,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )  # (b, h, t, hd)
+        y = y.transpose(1, 2).contiguous().view(b, t, d)  # (b, t, d)
+        return self.wo(y)
+
+
+class StaticCacheSDPAStack(nn.Module):
+    """StaticCacheSDPA layers back to back, as gpt-fast's Transformer runs them: the mask is
+    a row of one lower-triangular table, indexed once per step for every layer (what
+    `torch.compile` takes whole).
+
+    Args:
+        layers: the layers, each with its own weights and buffers, of one capacity.
+    """
+
+    def __init__(self, layers: list[StaticCacheSDPA]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        capacity, device = layers[0].k_cache.shape[2], layers[0].k_cache.device
+        table = torch.ones(capacity, capacity, dtype=torch.bool, device=device)
+        self.register_buffer("causal_mask", table.tril(), persistent=False)  # True = may see
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """x (b, t, d) at positions input_pos (t,) through every layer -> (b, t, d)."""
+        mask = self.causal_mask[None, None, input_pos]  # (1, 1, t, capacity)
+        for layer in self.layers:
+            x = layer(x, input_pos, mask)
+        return x

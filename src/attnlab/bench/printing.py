@@ -30,11 +30,13 @@ _SHORT_LAYOUTS = {"multi-head": "MHA", "grouped-query": "GQA", "multi-query": "M
 def print_decode(report: DecodeReport, console: Console | None = None) -> None:
     """The decoding figures as two tables: per context, then per head layout."""
     console = console or Console()
+    probe = "a read" if report.device == "cpu" else "a device copy"
     console.print(
-        f"Decoding, batch 1, {report.dtype}, d_model {report.d_model}, {report.num_heads} heads, "
-        f"{report.threads} threads; times per attention layer, measured through a stack of "
-        f"{report.layers}; floor = (weights + cache read) / read bandwidth (GB/s, measured "
-        f"beside each row); weights {report.weight_bytes / 2**20:.1f} MiB per layer"
+        f"Decoding on {report.device}, batch 1, {report.dtype}, d_model {report.d_model}, "
+        f"{report.num_heads} heads, {report.threads} threads; times per attention layer, "
+        f"measured through a stack of {report.layers}; floor = (weights + cache read) / "
+        f"memory bandwidth (GB/s, {probe} measured beside each row); weights "
+        f"{report.weight_bytes / 2**20:.1f} MiB per layer"
     )
     steps = Table(title="Next token: KV cache against recomputing the prefix")
     columns = ("context", "cached ms", "tok/s", "recomp. ms", "tok/s", "speedup", "GB/s")

@@ -1,7 +1,11 @@
 """Timing and machine figures shared by the benchmarks: medians from torch.utils.benchmark
 with every thread torch uses (its default is one), measured in interleaved rounds so that
 drift on a shared machine hits every candidate alike; calls whose figure must come from
-memory are timed cold, one at a time after a read larger than the CPU's caches."""
+memory are timed cold, one at a time after a read larger than the CPU's caches.
+
+On a CUDA device torch.utils.benchmark's timer synchronises before every reading, so that a
+median counts the kernels a call launched, not only their launch; the device's bandwidth is
+a copy between two buffers much larger than its L2 cache (bandwidth_probe)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from torch.utils import benchmark
 
 _MIN_READ_BYTES = 256 * 2**20  # the read buffer's size, at least
+DEVICE_COPY_BYTES = 512 * 2**20  # each buffer of the device's copy: ~10x an H100's L2
 _CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -100,3 +105,36 @@ def read_bandwidth(*, min_run_time: float = 0.2, device: str | torch.device = "c
     read, nbytes = memory_read(device)
     seconds = interleaved_medians({"read": read}, rounds=1, min_run_time=min_run_time)["read"]
     return nbytes / seconds
+
+
+def device_copy(
+    device: str | torch.device, nbytes: int = DEVICE_COPY_BYTES
+) -> tuple[Callable[[], object], int]:
+    """A call that copies one buffer of `nbytes` into another on `device`, and the bytes it
+    moves (2 x nbytes: every byte read once and written once): its bytes per second are
+    the device memory's copy bandwidth, the rate a step that reads its weights and cache
+    once can reach at best. Time it beside the calls it bounds (interleaved_medians; on
+    CUDA the timer synchronises)."""
+    source = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+
+    def copy() -> torch.Tensor:
+        return target.copy_(source)
+
+    return copy, 2 * source.nbytes
+
+
+def bandwidth_probe(
+    device: str | torch.device = "cpu", nbytes: int | None = None
+) -> tuple[Callable[[], object], int]:
+    """What measures the memory bandwidth where a benchmark runs: on the CPU memory_read (a
+    sum that also evicts the caches), elsewhere device_copy. Returns (call, bytes it moves).
+
+    Args:
+        device: where the benchmark runs.
+        nbytes: the buffer's size (default read_bytes() on the CPU, DEVICE_COPY_BYTES on a
+            device).
+    """
+    if torch.device(device).type == "cpu":
+        return memory_read(device, nbytes)
+    return device_copy(device, DEVICE_COPY_BYTES if nbytes is None else nbytes)

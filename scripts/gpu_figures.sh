@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The bench's CUDA figures on one GPU, bfloat16, in about 8 minutes: the module and core
+# comparison, --decode (its tables, and the static-cache peers eager and compiled) and --hf
+# (eager and compiled). --compile runs the eager rows too, beside the compiled ones. Each
+# mode writes OUT/NAME.json and OUT/NAME.txt; OUT/machine.txt holds torch and the card.
+# Usage: scripts/gpu_figures.sh [OUT]   (default gpu-figures/; run from the repository root
+# with attnlab installed in .venv)
+set -euo pipefail
+out=${1:-gpu-figures}
+python=${PYTHON:-.venv/bin/python}
+mkdir -p "$out"
+"$python" -c 'import sys, torch
+print("torch", torch.__version__, "CUDA", torch.version.cuda)
+torch.cuda.is_available() or sys.exit("gpu_figures.sh: no CUDA device is available to this torch")
+print("card", torch.cuda.get_device_name())' | tee "$out/machine.txt"
+
+run() {  # run NAME LIMIT_S OPTIONS...: one mode, its table to NAME.txt, figures to NAME.json
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "== attnlab bench $* --device cuda --dtype bfloat16 (at most ${limit} s)" | tee "$out/$name.txt"
+  COLUMNS=200 timeout "$limit" "$python" -m attnlab bench "$@" --device cuda --dtype bfloat16 \
+    --json "$out/$name.json" 2>&1 | tee -a "$out/$name.txt" || echo "== $name failed or timed out"
+  echo "== $name: $((SECONDS - start)) s" | tee -a "$out/$name.txt"
+}
+
+run compare 60
+run decode 200 --decode --compile
+run hf 220 --hf --compile
+echo "figures under $out/ ($SECONDS s)"
