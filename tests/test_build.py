@@ -3,10 +3,15 @@ folder per key, so two environments never rebuild each other's), says in one std
 that it builds and how long it took, loads a finished build directly, and fails in one line
 naming ATTNLAB_NO_EXTENSION=1."""
 
+import importlib
+import json
+import os
 import platform
+import subprocess
 import sys
 import sysconfig
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +180,96 @@ def test_attnlab_vectors_avx2_keeps_the_avx2_build(fake_build, source, monkeypat
     monkeypatch.setenv(_build.VECTORS_VARIABLE, "avx2")
     assert _build.load("attnlab_test", source, "the test kernel", "Python", wide=True) is None
     assert "-DCPU_CAPABILITY=AVX2" in fake_build[0]["extra_cflags"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one name per environment: builds in one process never change the next build's name
+
+
+def _names_in_a_fresh_process(*specs: tuple[str, str, bool]) -> list[str]:
+    """_build.name_for of each (base, source, wide), computed by a new interpreter."""
+    code = (
+        "import sys, json; from pathlib import Path; from attnlab import _build;"
+        "specs = json.loads(sys.argv[1]);"
+        "print(json.dumps([_build.name_for(b, Path(s), wide=w) for b, s, w in specs]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(specs)], capture_output=True, text=True, check=True
+    )
+    return json.loads(result.stdout)
+
+
+def _torch_like_load(calls):
+    """cpp_extension.load as torch's behaves towards its arguments: it appends torch's own
+    linker flags to the extra_ldflags list it is given, in place (cpp_extension's
+    _prepare_ldflags), and leaves the library in the build folder; recorded in `calls`."""
+
+    def load(*, name, extra_ldflags, **kwargs):
+        extra_ldflags += ["-L/torch/lib", "-lc10", "-ltorch_cpu"]
+        (_build.build_directory(name) / f"{name}.so").write_bytes(b"")
+        calls.append(name)
+
+    return load
+
+
+def test_a_second_build_in_one_process_gets_the_name_every_process_computes(
+    fake_build, tmp_path, monkeypatch
+):
+    """Two extensions built one after the other in one process get the names a fresh
+    process computes for them (the first build's flags never leak into the second's key),
+    and asking for the second again loads it without building."""
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", _torch_like_load(calls))
+    monkeypatch.setattr(_build, "_load_library", lambda path: True)
+    sources = [tmp_path / "first.cpp", tmp_path / "second.cpp"]
+    for index, path in enumerate(sources):
+        path.write_text(f"// kernel {index}\n")
+    specs = [("attnlab_first", str(sources[0]), False), ("attnlab_second", str(sources[1]), True)]
+    for base, path, wide in specs:
+        assert _build.load(base, Path(path), "a kernel", "Python", wide=wide) is None
+    assert calls == _names_in_a_fresh_process(*specs)
+    assert _build.LDFLAGS == ("-fopenmp",)
+    assert _build.load("attnlab_second", sources[1], "a kernel", "Python", wide=True) is None
+    assert len(calls) == 2  # found built under the same name: loaded, not built again
+
+
+def test_two_processes_compute_the_same_names_for_attnlab_s_extensions():
+    """Each extension's name (the folder it is built in) is the same in every process of
+    this environment, and it is the name the loaded library has here."""
+    from attnlab import prebuild
+
+    code = (
+        "import importlib; from attnlab import prebuild;"
+        "print(*[importlib.import_module(m).build_name() for m, _ in prebuild.EXTENSIONS])"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for _ in range(2)
+    ]
+    modules = [importlib.import_module(name) for name, _ in prebuild.EXTENSIONS]
+    assert runs[0] == runs[1] == [module.build_name() for module in modules]
+    for module, name in zip(modules, runs[0], strict=True):
+        if module.available():
+            assert _build._LOADED[module._NAME].stem == name
+
+
+def test_the_test_command_builds_the_extensions_before_the_tests_uncaptured(tmp_path):
+    """tests/conftest.py loads (building where needed) every extension at the session's
+    start with pytest's capture suspended: the build's line, or here its failure's one
+    warning line, reaches the terminal before any test runs."""
+    env = os.environ | {"CXX": "attnlab-no-such-compiler", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop("ATTNLAB_NO_EXTENSION", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests/test_build.py::test_the_same_environment_gives_the_same_name"],
+        env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if "is unavailable: no C++ compiler" in line
+    ]
+    assert len(said) == 2, result.stdout + result.stderr  # one per extension

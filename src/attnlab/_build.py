@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -61,10 +62,13 @@ def cflags(wide: bool = False) -> list[str]:
     return ["-O3", "-fopenmp", *vector_flags(wide)]
 
 
-LDFLAGS = ["-fopenmp"]
+# A tuple: cpp_extension.load appends torch's own flags to the list it is given, in place,
+# so a list shared between builds would change every later build's key (another name, a
+# build again); each build gets a copy (_build_and_load).
+LDFLAGS = ("-fopenmp",)
 
 
-def build_key(source: Path, flags: list[str], ldflags: list[str]) -> dict[str, str]:
+def build_key(source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> dict[str, str]:
     """Everything that changes the binary built from `source` with these flags."""
     compiler = os.environ.get("CXX", "c++")
     found = shutil.which(compiler)
@@ -79,7 +83,7 @@ def build_key(source: Path, flags: list[str], ldflags: list[str]) -> dict[str, s
     }
 
 
-def extension_name(base: str, source: Path, flags: list[str], ldflags: list[str]) -> str:
+def extension_name(base: str, source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> str:
     """`base` and a 12-digit hash of the build key: one name, one folder, per binary."""
     key = json.dumps(build_key(source, flags, ldflags), sort_keys=True)
     return f"{base}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -110,8 +114,7 @@ def load(base: str, source: Path, what: str, fallback: str, *, wide: bool = Fals
     """
     if os.environ.get(OFF_VARIABLE) == "1":
         return f"turned off by {OFF_VARIABLE}=1"
-    wide = wide and os.environ.get(VECTORS_VARIABLE) != "avx2"
-    reason = _missing() or _build_and_load(base, source, what, cflags(wide))
+    reason = _missing() or _build_and_load(base, source, what, _wide(wide))
     if reason is None:
         fake_ops.register()  # its ops' fake kernels, for torch.compile and export
     else:
@@ -121,6 +124,17 @@ def load(base: str, source: Path, what: str, fallback: str, *, wide: bool = Fals
             stacklevel=4,
         )
     return reason
+
+
+def _wide(wide: bool) -> bool:
+    """Whether a build asked for `wide` gets it: not when ATTNLAB_VECTORS=avx2."""
+    return wide and os.environ.get(VECTORS_VARIABLE) != "avx2"
+
+
+def name_for(base: str, source: Path, *, wide: bool = False) -> str:
+    """The name `load` builds and loads the extension `base` of `source` under (`wide` as
+    load's): the same in every process of one environment, builds before it included."""
+    return extension_name(base, source, cflags(_wide(wide)), LDFLAGS)
 
 
 def _missing() -> str | None:
@@ -156,7 +170,8 @@ def python_module(base: str) -> ModuleType:
     return module
 
 
-def _build_and_load(base: str, source: Path, what: str, flags: list[str]) -> str | None:
+def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | None:
+    flags = cflags(wide)
     name = extension_name(base, source, flags, LDFLAGS)
     built = build_directory(name) / f"{name}.so"
     if built.exists() and _load_library(built):
@@ -170,11 +185,11 @@ def _build_and_load(base: str, source: Path, what: str, flags: list[str]) -> str
     try:
         with warnings.catch_warnings():  # torch's compiler checks: the error says enough
             warnings.simplefilter("ignore")
-            cpp_extension.load(
+            cpp_extension.load(  # copies: load appends to the lists it is given
                 name=name,
                 sources=[str(source)],
-                extra_cflags=flags,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=list(flags),
+                extra_ldflags=list(LDFLAGS),
                 is_python_module=False,
             )
     except Exception as error:  # a failed compile, link or load: say why in one line

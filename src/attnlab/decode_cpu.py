@@ -36,6 +36,7 @@ _SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 EMPTY = torch.empty(0)  # the kernel's "none": no bias, no rotary tables, no int8 scales
 _NAME = "attnlab_decode_step"
+_WIDE = True  # AVX-512 where the CPU has it: grouped heads' scores are arithmetic-bound
 
 
 @functools.cache
@@ -47,8 +48,13 @@ def load_error() -> str | None:
         _SOURCE,
         "attnlab's native CPU decode step",
         "the Python path",
-        wide=True,  # AVX-512 where the CPU has it: grouped heads' scores are arithmetic-bound
+        wide=_WIDE,
     )
+
+
+def build_name() -> str:
+    """The extension's name here (attnlab._build.name_for): one per environment."""
+    return _build.name_for(_NAME, _SOURCE, wide=_WIDE)
 
 
 def available() -> bool:

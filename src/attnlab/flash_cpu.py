@@ -28,6 +28,7 @@ from attnlab import _build
 from attnlab.strides import dense_rows
 
 _SOURCE = Path(__file__).with_name("csrc") / "causal_attention.cpp"
+_NAME = "attnlab_causal_flash"
 _Q_SPLIT, _KV_SPLIT, _DIAG_SPLIT = 128, 512, 32  # rows, keys, diagonal rows per tile
 # the backward's tiles: query rows, keys per block, diagonal rows
 _BACKWARD_Q_SPLIT, _BACKWARD_KV_SPLIT, _BACKWARD_DIAG_SPLIT = 256, 128, 32
@@ -37,9 +38,12 @@ _BACKWARD_Q_SPLIT, _BACKWARD_KV_SPLIT, _BACKWARD_DIAG_SPLIT = 256, 128, 32
 def load_error() -> str | None:
     """None once the extension is built and loaded, else why it is not (one line, warned
     once; built on the first call, once per environment: attnlab._build)."""
-    return _build.load(
-        "attnlab_causal_flash", _SOURCE, "attnlab's C++ causal kernel", "PyTorch's SDPA"
-    )
+    return _build.load(_NAME, _SOURCE, "attnlab's C++ causal kernel", "PyTorch's SDPA")
+
+
+def build_name() -> str:
+    """The extension's name here (attnlab._build.name_for): one per environment."""
+    return _build.name_for(_NAME, _SOURCE)
 
 
 @torch.compiler.assume_constant_result  # a compiled caller reads it once, at trace time
