@@ -4,6 +4,7 @@ row). No timing is asserted: only that the figures exist and are consistent."""
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,6 +40,11 @@ def _callers(sdpa, attnlab):
     return {hf.SDPA: sdpa, hf.ATTNLAB: attnlab}
 
 
+def _measured(measure, callers, per=1, timing=None, dtype=torch.float32):
+    row = hf.HFRow("m", measure, compiled=False)
+    return hf._measured(row, callers, per, timing or {}, dtype)
+
+
 def test_a_pair_whose_outputs_differ_is_skipped_untimed():
     logits = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
     calls = []
@@ -47,28 +53,76 @@ def test_a_pair_whose_outputs_differ_is_skipped_untimed():
         calls.append("sdpa")
         return logits
 
-    row = hf._row("m", hf.FORWARD, False, _callers(sdpa, lambda: logits * 1.1), 1, {})
+    row = _measured(hf.FORWARD, _callers(sdpa, lambda: logits * 1.1))
     assert row.ratio is None and calls == ["sdpa"]  # checked once, never timed
     assert row.skipped.startswith("differs from sdpa's by 0.1")
 
 
-def test_generated_ids_must_be_identical():
-    ids = torch.tensor([[5, 6, 7, 8]])
-    other = torch.tensor([[5, 6, 9, 8]])
-    row = hf._row("m", hf.GENERATE, True, _callers(lambda: ids, lambda: other), 4, {})
-    assert row.skipped == "differs from sdpa's from token 2 on"
+def _generated(ids, logits):
+    """A generate output: sequences (b, t) and one (b, vocab) logits per new token."""
+    return SimpleNamespace(sequences=torch.tensor(ids), logits=list(torch.tensor(logits)))
+
+
+# prompt token 9, then 3 new tokens, each the argmax of its logits; a near-tie at the second
+PROMPTED = ([[9, 1, 0, 1]], [[[0.0, 1.0]], [[0.5004, 0.5]], [[0.0, 1.0]]])
+
+
+def test_identical_ids_pass_and_a_near_tie_is_timed_with_a_note():
+    reference = _generated(*PROMPTED)
+    assert hf.generation_differs(reference, reference, torch.float32) == ("", "")
+    tied = _generated([[9, 1, 1, 1]], [[[0.0, 1.0]], [[0.5, 0.5005]], [[0.0, 1.0]]])
+    problem, note = hf.generation_differs(tied, reference, torch.float32)
+    assert problem == ""
+    assert note.startswith("ids part from sdpa's at new token 1: a near-tie, the logits up to")
+
+
+def test_ids_that_part_after_logits_that_differ_are_skipped():
+    reference = _generated(*PROMPTED)
+    apart = _generated([[9, 1, 1, 1]], [[[0.0, 1.0]], [[0.0, 1.0]], [[0.0, 1.0]]])
+    problem, note = hf.generation_differs(apart, reference, torch.float32)
+    assert note == ""
+    assert problem == (
+        "ids part from sdpa's at new token 1, after logits that differ by 0.5 of their "
+        "largest value"
+    )
+    assert hf.generation_differs(apart, reference, torch.bfloat16)[0].startswith("ids part")
+    shorter = _generated([[9, 1, 0]], PROMPTED[1][:2])
+    assert hf.generation_differs(shorter, reference, torch.float32)[0] == (
+        "generated (1, 3) ids against sdpa's (1, 4)"
+    )
 
 
 def test_a_pair_that_fails_to_compile_is_a_skipped_row():
     def broken():
         raise RuntimeError("backend failed\nsecond line")
 
-    row = hf._row("m", hf.FORWARD, True, _callers(lambda: torch.ones(1), broken), 1, {})
+    row = _measured(hf.FORWARD, _callers(lambda: torch.ones(1), broken))
     assert row.ratio is None and row.skipped == "RuntimeError: backend failed"
 
 
 def test_agreeing_pairs_are_timed_per_token():
-    ids = torch.tensor([[1, 2, 3]])
+    reference = _generated(*PROMPTED)
     timing = {"rounds": 1, "min_run_time": 0.0}
-    row = hf._row("m", hf.GENERATE, False, _callers(lambda: ids, lambda: ids.clone()), 3, timing)
-    assert row.skipped == "" and row.sdpa_s > 0 and row.attnlab_s > 0
+    row = _measured(hf.GENERATE, _callers(lambda: reference, lambda: reference), 3, timing)
+    assert row.skipped == "" and row.note == "" and row.sdpa_s > 0 and row.attnlab_s > 0
+
+
+def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """--json is rewritten after each row: a GPU run cut by its time limit keeps its rows."""
+    measured = []
+
+    def measure_twice(row, callers, per, timing, dtype):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # the run is stopped here
+        measured.append(row)
+        return row
+
+    monkeypatch.setattr(hf, "_measured", measure_twice)
+    out = tmp_path / "hf.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "--hf", "--quick", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["model"], row["measure"]) for row in rows] == [
+        ("GPT-2, tiny", hf.FORWARD),
+        ("GPT-2, tiny", hf.BACKWARD),
+    ]

@@ -150,8 +150,11 @@ def decode_command(
     run = partial(run_decode, device=device, dtype=dtype, **options)
     report = _with_progress(console, "decoding", steps, run)
     print_decode(report, console)
+    figures = report.to_dict()
+    _keep_figures(figures, json_path)  # what a run stopped midway has measured
     peers = _against_peers(contexts, device, dtype, compile, quick, console)
-    figures = {**report.to_dict(), "static_peers": peers.to_dict()}
+    figures["static_peers"] = peers.to_dict()
+    _keep_figures(figures, json_path)
     if torch.device(device).type == "cpu":
         figures.update(_cpu_only(contexts, quick, console))
     else:
@@ -203,7 +206,8 @@ def hf_command(
 
     console = console or Console()
     sizes = {"batch": batch, "tokens": tokens, "compile": compile, "quick": quick}
-    run = partial(run_hf, device=device, dtype=dtype, **sizes)
+    keep = partial(_keep_figures, json_path=json_path)  # each row as it comes
+    run = partial(run_hf, device=device, dtype=dtype, on_row=keep, **sizes)
     report = _with_progress(console, "transformers models", hf_steps(compile=compile), run)
     print_hf(report, console)
     _write_figures(report.to_dict(), json_path, console)
@@ -266,6 +270,13 @@ def _write_figures(figures: dict, json_path: str | Path | None, console: Console
     if json_path is not None:
         write_json(figures, json_path)
         console.print(f"figures written to {json_path}")
+
+
+def _keep_figures(figures: dict | object, json_path: str | Path | None) -> None:
+    """The figures so far written to json_path (a report's to_dict() for a report), without
+    a word: a long run that is stopped keeps what it measured."""
+    if json_path is not None:
+        write_json(figures if isinstance(figures, dict) else figures.to_dict(), json_path)
 
 
 def _with_progress(console: Console, description: str, total: int, run: Callable):

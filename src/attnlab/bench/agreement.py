@@ -19,11 +19,21 @@ def differs(out: torch.Tensor, reference: torch.Tensor, reference_name: str) -> 
         if out.shape == reference.shape and torch.equal(out, reference):
             return ""
         return f"differs from {reference_name}'s {_first_difference(out, reference)}"
-    scale = reference.abs().max().item() or 1.0
-    error = (out.float() - reference.float()).abs().max().item() / scale
-    if error <= _RELATIVE.get(reference.dtype.itemsize, 1e-3):
+    error = relative_error(out, reference)
+    if error <= tolerance(reference.dtype):
         return ""
     return f"differs from {reference_name}'s by {error:.2g} of its largest value"
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |out - reference| / max |reference| (over 1 where the reference is all zeros)."""
+    scale = reference.abs().max().item() or 1.0
+    return (out.float() - reference.float()).abs().max().item() / scale
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative_error two implementations computing in `dtype` may show."""
+    return _RELATIVE.get(dtype.itemsize, 1e-3)
 
 
 def _first_difference(out: torch.Tensor, reference: torch.Tensor) -> str:

@@ -215,7 +215,7 @@ def timing_options(device: torch.device, read: Callable[[], object]) -> dict:
 
 def tolerance(dtype: torch.dtype) -> float:
     """atol = rtol between two ways of computing one decode step's output in `dtype`."""
-    return 1e-4 if dtype.itemsize >= 4 else 2e-2
+    return 1e-4 if dtype.itemsize >= 4 else 5e-2
 
 
 def _weight_bytes(module: MultiHeadAttention) -> int:

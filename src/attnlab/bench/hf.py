@@ -16,9 +16,12 @@ generate with cache_implementation="static", whose decode steps transformers com
 (its CompileConfig: mode "reduce-overhead"; asked for on the CPU too).
 
 Before anything is timed, attnlab's logits are checked against sdpa's (relative to their
-largest value: 1e-3 in float32, 5e-2 in bfloat16/float16) and its generated ids must be
-identical; a pair that differs, or fails to run or compile, is a skipped row with the
-reason. transformers is imported only here, when the mode runs.
+largest value: 1e-3 in float32, 5e-2 in bfloat16/float16), and so are its generated ids:
+identical, or where they part, the logits of every step up to there (which both computed
+from the same tokens) agree, so that the parting is a near-tie the dtype's rounding breaks
+either way (the row says so in a note; the work timed is the same, new_tokens tokens). A
+pair that differs, or fails to run or compile, is a skipped row with the reason.
+transformers is imported only here, when the mode runs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from attnlab.bench.agreement import FAILURES, differs
+from attnlab.bench.agreement import FAILURES, differs, relative_error, tolerance
 from attnlab.bench.memory import failure_reason
 from attnlab.bench.peers import machine_name
 from attnlab.bench.timing import interleaved_medians
@@ -81,7 +84,7 @@ QUICK_MODELS = {
 # (batch, tokens) of the forward and the tokens generated, by device; --quick: tiny configs
 SIZES = {
     "cpu": {"batch": 1, "tokens": 512, "prompt_tokens": 16, "new_tokens": 32},
-    "cuda": {"batch": 8, "tokens": 1024, "prompt_tokens": 16, "new_tokens": 128},
+    "cuda": {"batch": 8, "tokens": 1024, "prompt_tokens": 16, "new_tokens": 64},
 }
 TIMING = {"rounds": 3, "min_run_time": 0.2}
 QUICK_HF = {"batch": 1, "tokens": 32, "prompt_tokens": 4, "new_tokens": 4}
@@ -99,6 +102,7 @@ class HFRow:
     sdpa_s: float | None = None
     attnlab_s: float | None = None
     skipped: str = ""
+    note: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -157,6 +161,7 @@ def run_hf(
     compile: bool = False,
     quick: bool = False,
     progress: Callable[[str], None] = lambda step: None,
+    on_row: Callable[[HFReport], None] = lambda report: None,
 ) -> HFReport:
     """Measure both models (module docstring).
 
@@ -168,15 +173,14 @@ def run_hf(
         compile: also the compiled forward and the compiled static-cache generate.
         quick: tiny models and sizes, one short round: a smoke test.
         progress: called with a description before each measure.
+        on_row: called with the report after each row (to keep what a run killed midway
+            has measured).
 
     Returns:
         The HFReport.
     """
     import transformers
 
-    from attnlab.interop import hf
-
-    hf.register()
     device = torch.device(device)
     sizes = dict(QUICK_HF if quick else SIZES.get(device.type, SIZES["cuda"]))
     sizes.update({k: v for k, v in (("batch", batch), ("tokens", tokens)) if v is not None})
@@ -199,7 +203,9 @@ def run_hf(
             progress(f"{name}: {measure}{', compiled' if compiled else ''}")
             callers = _callers(models, measure, compiled, inputs, sizes["new_tokens"])
             per = sizes["new_tokens"] if measure == GENERATE else 1
-            report.rows.append(_row(name, measure, compiled, callers, per, timing))
+            row = HFRow(name, measure, compiled)
+            report.rows.append(_measured(row, callers, per, timing, dtype))
+            on_row(report)
         del models
     return report
 
@@ -214,6 +220,9 @@ def _pair(config, device: torch.device, dtype: torch.dtype) -> dict[str, torch.n
     from its own copy of the config (transformers writes the implementation into it)."""
     from transformers import AutoModelForCausalLM
 
+    from attnlab.interop import hf
+
+    hf.register()
     torch.manual_seed(0)
     models = {}
     for implementation in (SDPA, ATTNLAB):
@@ -234,8 +243,8 @@ def _inputs(vocab: int, sizes: dict, device: torch.device) -> dict[str, torch.Te
 
 
 def _callers(models, measure: str, compiled: bool, inputs, new_tokens: int) -> dict:
-    """One call per implementation for `measure`: each returns what is checked (logits, ids;
-    None for forward + backward)."""
+    """One call per implementation for `measure`: each returns what is checked (logits, a
+    generate output; None for forward + backward)."""
     if measure == FORWARD:
         return {name: _forward(model, inputs["ids"], compiled) for name, model in models.items()}
     if measure == BACKWARD:
@@ -275,13 +284,15 @@ def _generate(model, prompt: torch.Tensor, new_tokens: int, *, static: bool) -> 
         "min_new_tokens": new_tokens,
         "do_sample": False,
         "pad_token_id": 0,
+        "return_dict_in_generate": True,
+        "output_logits": True,  # each step's logits, for the check (both sides alike)
     }
     if static:
         options.update(cache_implementation="static", compile_config=_compile_config())
     else:
         options.update(disable_compile=True)
 
-    def generate() -> torch.Tensor:
+    def generate():
         with torch.no_grad():
             return model.generate(prompt, **options)
 
@@ -298,16 +309,17 @@ def _compile_config():
     return config
 
 
-def _row(name: str, measure: str, compiled: bool, callers: dict, per: int, timing) -> HFRow:
+def _measured(row: HFRow, callers: dict, per: int, timing: dict, dtype: torch.dtype) -> HFRow:
     """Run each caller once (the warm-up, and compilation), check attnlab's output against
-    sdpa's, then time both side by side."""
-    row = HFRow(name, measure, compiled)
+    sdpa's (computed in `dtype`), then time both side by side: `row` filled in."""
     try:
         outputs = {implementation: _kept(call()) for implementation, call in callers.items()}
     except FAILURES as error:  # a compiler that fails is a row, not a crash
         row.skipped = failure_reason(error)
         return row
-    if outputs[SDPA] is not None:
+    if row.measure == GENERATE:
+        row.skipped, row.note = generation_differs(outputs[ATTNLAB], outputs[SDPA], dtype)
+    elif outputs[SDPA] is not None:
         row.skipped = differs(outputs[ATTNLAB], outputs[SDPA], SDPA)
     if row.skipped:
         return row
@@ -316,9 +328,29 @@ def _row(name: str, measure: str, compiled: bool, callers: dict, per: int, timin
     return row
 
 
-def _kept(output: torch.Tensor | None) -> torch.Tensor | None:
-    """A copy of a call's output (a CUDA graph's is overwritten by its next replay)."""
-    return None if output is None else output.detach().clone()
+def _kept(output):
+    """A copy of a call's tensor output (a CUDA graph's is overwritten by its next replay)."""
+    return output.detach().clone() if isinstance(output, torch.Tensor) else output
+
+
+def generation_differs(out, reference, dtype: torch.dtype) -> tuple[str, str]:
+    """(why attnlab's greedy generation differs from sdpa's, or ''; a note, or ''): the same
+    ids, or ids that part at a near-tie, after steps whose logits agree to `dtype`'s
+    tolerance (module docstring). out and reference are generate outputs: sequences (b, t),
+    logits one (b, vocab) per new token."""
+    ids, expected = out.sequences, reference.sequences
+    if ids.shape != expected.shape:
+        return f"generated {tuple(ids.shape)} ids against sdpa's {tuple(expected.shape)}", ""
+    if torch.equal(ids, expected):
+        return "", ""
+    new = len(reference.logits)
+    step = int((ids[:, -new:] != expected[:, -new:]).any(dim=0).nonzero()[0, 0])
+    logits = torch.stack(out.logits[: step + 1], dim=1)  # (b, step + 1, vocab)
+    error = relative_error(logits, torch.stack(reference.logits[: step + 1], dim=1))
+    where = f"ids part from sdpa's at new token {step}"
+    if error > tolerance(dtype):
+        return f"{where}, after logits that differ by {error:.2g} of their largest value", ""
+    return "", f"{where}: a near-tie, the logits up to there agree to {error:.2g}"
 
 
 def print_hf(report: HFReport, console) -> None:
@@ -338,6 +370,8 @@ def print_hf(report: HFReport, console) -> None:
         table.add_column(column, justify="left" if column in ("model", "measure") else "right")
     for row in report.rows:
         measure = f"{row.measure}, compiled" if row.compiled else row.measure
+        if row.note:
+            measure += f"\n[dim]{row.note}[/dim]"
         if row.ratio is None:
             table.add_row(row.model, f"{measure}\n[dim]skipped: {row.skipped}[/dim]", "-", "-", "-")
             continue
