@@ -179,10 +179,8 @@ def run_decode_peers(
         x = torch.randn(1, 1, d_model, **decode.factory(modules[0]))  # (b, 1, d)
         for context in contexts:
             progress(f"{heads} key/value heads, context {context}, against static-cache SDPA")
-            rows = _measure(decoders, x, context, probe, **timing)
-            for row in rows:
-                row.num_kv_heads, row.bytes_read = heads, bytes_read(modules, context, steps)
-            report.rows.extend(rows)
+            where = {"num_kv_heads": heads, "bytes_read": bytes_read(modules, context, steps)}
+            report.rows.extend(_measure(decoders, x, context, probe, where, **timing))
         del decoders, modules
     return report
 
@@ -256,9 +254,12 @@ def _peer_decoder(peer: StaticCacheSDPAStack, call: Callable, *, compiled: bool)
     return _Decoder(step, lambda context: position.fill_(context - 1), compiled=compiled)
 
 
-def _measure(decoders, x, context, probe, *, steps, rounds, min_run_time) -> list[PeerRow]:
+def _measure(
+    decoders, x, context, probe, where: dict, *, steps, rounds, min_run_time
+) -> list[PeerRow]:
     """Check each implementation's next token against the reference's, then time those that
-    agree side by side with the bandwidth probe; rows without their layout and bytes yet."""
+    agree side by side with the bandwidth probe: a row each, with `where`'s fields (the
+    layout and the bytes a step reads)."""
     with torch.no_grad():
         reference = _first_step(decoders[KVCACHE, False], x, context)
     calls, reasons = {}, {}
@@ -283,13 +284,12 @@ def _measure(decoders, x, context, probe, *, steps, rounds, min_run_time) -> lis
             PeerRow(
                 name,
                 compiled,
-                0,
-                context,
-                0,
-                bandwidth,
-                None if seconds is None else seconds / steps,
-                None if peer is None else peer / steps,
-                reasons[name, compiled],
+                context=context,
+                read_bytes_per_s=bandwidth,
+                step_s=None if seconds is None else seconds / steps,
+                peer_s=None if peer is None else peer / steps,
+                skipped=reasons[name, compiled],
+                **where,
             )
         )
     return rows
