@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 import attnlab
-from attnlab import book, functional, interop, masks, rope
+from attnlab import alibi, book, functional, interop, masks, rope
+from attnlab._validate import MAX_SIZE
 from attnlab.kv_cache import KVCache
 from attnlab.parallel import ring_attention, shard_sequence, tensor_parallel
 
@@ -55,6 +56,16 @@ def int_cases(minimum: int = 1) -> list[tuple]:
     if minimum >= 1:
         cases.append(("zero", lambda v: 0, ERROR, None))
     return cases
+
+
+def size_cases(minimum: int = 1) -> list[tuple]:
+    """int_cases, and values past attnlab's one bound on sizes and positions (MAX_SIZE):
+    2**63 once overflowed inside torch or wrapped a position silently."""
+    return [
+        *int_cases(minimum),
+        ("past-int64", lambda v: 2**63, ERROR, None),
+        ("past-bound", lambda v: MAX_SIZE + 1, ERROR, None),
+    ]
 
 
 def float_cases(*, zero_ok: bool = True, one_ok: bool = True) -> list[tuple]:
@@ -493,8 +504,8 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         lambda **kw: rope.RotaryEmbedding(**kw).cos,
         lambda: {"head_dim": D, "max_positions": 16, "base": 10000.0},
         {
-            "head_dim": [*int_cases(), ("odd", lambda v: 3, ERROR, None)],
-            "max_positions": int_cases(),
+            "head_dim": [*size_cases(), ("odd", lambda v: 3, ERROR, None)],
+            "max_positions": size_cases(),
             "base": float_cases(zero_ok=False, one_ok=False),
         },
         {},
@@ -518,8 +529,8 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         rope.rotary_tables,
         lambda: {"head_dim": D, "num_positions": T, "base": 10000.0},
         {
-            "head_dim": int_cases(),
-            "num_positions": int_cases(),
+            "head_dim": size_cases(),
+            "num_positions": size_cases(),
             "base": float_cases(zero_ok=False, one_ok=False),
         },
         {},
@@ -548,31 +559,50 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         {"base": "rope_base"},
     ),
     (
+        "alibi.slopes",
+        alibi.slopes,
+        lambda: {"num_heads": 6},
+        # past the bound: tests/test_masks.py, under an alarm (the old code's hang)
+        {"num_heads": int_cases()},
+        {},
+    ),
+    (
+        "alibi.bias",
+        alibi.bias,
+        lambda: {"head_slopes": alibi.slopes(HEADS), "num_queries": 3, "num_keys": 5},
+        {
+            "head_slopes": tensor_cases(paired=False),
+            "num_queries": size_cases(0),
+            "num_keys": size_cases(0),
+        },
+        {},
+    ),
+    (
         "masks.causal_mask",
         masks.causal_mask,
         lambda: {"num_queries": 3, "num_keys": 5, "offset": 1},
-        {"num_queries": int_cases(0), "num_keys": int_cases(0), "offset": int_cases(0)},
+        {"num_queries": size_cases(0), "num_keys": size_cases(0), "offset": size_cases(0)},
         {},
     ),
     (
         "masks.sliding_window_mask",
         masks.sliding_window_mask,
         lambda: {"num_queries": 3, "num_keys": 5, "window": 2},
-        {"num_queries": int_cases(0), "num_keys": int_cases(0), "window": int_cases()},
+        {"num_queries": size_cases(0), "num_keys": size_cases(0), "window": int_cases()},
         {},
     ),
     (
         "masks.aligned_positions",
         masks.aligned_positions,
         lambda: {"num_queries": 3, "num_keys": 5, "offset": 1},
-        {"num_queries": int_cases(0), "num_keys": int_cases(0), "offset": int_cases(0)},
+        {"num_queries": size_cases(0), "num_keys": size_cases(0), "offset": size_cases(0)},
         {},
     ),
     (
         "masks.visible_keys",
         masks.visible_keys,
         lambda: {"query_position": 5, "window": 3},
-        {"query_position": int_cases(0), "window": int_cases()},
+        {"query_position": size_cases(0), "window": int_cases()},
         {},
     ),
     (
@@ -596,7 +626,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         lambda: {"lengths": torch.tensor([2, 4]), "num_keys": 4},
         {
             "lengths": [*index_cases(), ("negative", lambda t: -t, ERROR, None)],
-            "num_keys": int_cases(),
+            "num_keys": size_cases(),
         },
         {},
     ),
@@ -748,7 +778,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         {
             "d_in": int_cases(),
             "d_out": int_cases(),
-            "num_heads": int_cases(),
+            "num_heads": size_cases(),
             "dropout": float_cases(),
         },
         {},

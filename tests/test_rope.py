@@ -78,3 +78,24 @@ def test_half_precision_input_rotated_in_float32():
 def test_bad_input(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+BOUND = r"must be at most 1,099,511,627,776 \(2\*\*40, attnlab's bound on any size or position\)"
+
+
+@pytest.mark.parametrize(
+    ("make", "product"),
+    [
+        (lambda: RotaryEmbedding(64, 2**35), r"max_positions x head_dim \(34359738368 x 64\)"),
+        (
+            lambda: rotary_tables(2**21, 2**20, 1e4),
+            r"num_positions x head_dim \(1048576 x 2097152\)",
+        ),
+    ],
+    ids=["RotaryEmbedding", "rotary_tables"],
+)
+def test_tables_of_more_entries_than_the_bound_are_refused_before_they_are_built(make, product):
+    """Sizes each within the bound whose tables would hold terabytes: named, before torch
+    tries to allocate them."""
+    with pytest.raises(ValueError, match=rf"{product} {BOUND}"):
+        make()

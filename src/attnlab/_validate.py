@@ -28,6 +28,45 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     return int(value)
 
 
+# The one bound on every size, count and position attnlab takes (tokens, keys, heads,
+# widths, positions, offsets; a window wider than any position means no window and is
+# clamped instead) and on the elements of a tensor built from them (queries x keys,
+# positions x head_dim): 2**40, about 1.1e12. No real run comes near it (a million-token
+# context is 2**20; 2**40 one-byte elements are a terabyte), and below it position
+# arithmetic stays exact: offset + tokens, key - query and the like stay far from int64's
+# 2**63 (no wrap-around) and below 2**53, where float64 (RoPE's angles) still holds every
+# integer. A value past it is a mistake, refused by name before a loop, a list or a tensor
+# of that size is started (which would hang, or overflow inside torch).
+MAX_SIZE = 2**40
+
+
+def check_size(name: str, value: object, *, minimum: int = 1) -> int:
+    """Return `value` if it is an int in [minimum, MAX_SIZE] (check_int, bounded).
+
+    Args:
+        name: the argument's name for the message; for a product of sizes, the product in
+            words with its factors, e.g. "num_queries x num_keys (3 x 4)".
+        value: what the caller passed (a numpy integer included; bool refused).
+        minimum: the smallest accepted value.
+
+    Returns:
+        `value` as a Python int.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: below minimum, or above MAX_SIZE.
+    """
+    if type(value) is int and minimum <= value <= MAX_SIZE:  # the common case, cheaply
+        return value
+    value = check_int(name, value, minimum=minimum)
+    if value > MAX_SIZE:
+        raise ValueError(
+            f"{name} must be at most {MAX_SIZE:,} (2**40, attnlab's bound on any size or "
+            f"position), got {value:,}"
+        )
+    return value
+
+
 def check_bool(name: str, value: object) -> bool:
     """Return `value` if it is a bool (a string such as "no" would silently mean True)."""
     if not isinstance(value, bool):

@@ -8,12 +8,10 @@ Shapes: slopes (h,); bias (1, h, tq, tk).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from attnlab import masks
-from attnlab._validate import check_int
+from attnlab._validate import check_size
 
 
 def slopes(num_heads: int) -> torch.Tensor:
@@ -29,23 +27,25 @@ def slopes(num_heads: int) -> torch.Tensor:
 
     Raises:
         TypeError: num_heads is not an int.
-        ValueError: num_heads < 1.
+        ValueError: num_heads < 1, or past MAX_SIZE (2**40).
 
     Examples:
         >>> slopes(4)
         tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
-    num_heads = check_int("num_heads", num_heads)
-    below = 2 ** math.floor(math.log2(num_heads))
-    head_slopes = _powers(below)
-    if below < num_heads:
-        head_slopes += _powers(2 * below)[0::2][: num_heads - below]
-    return torch.tensor(head_slopes, dtype=torch.float32)
+    num_heads = check_size("num_heads", num_heads)
+    below = 1 << (num_heads.bit_length() - 1)  # the power of two at or below, exactly
+    head_slopes = _powers(below, below)
+    if below < num_heads:  # every second power of 2 * below: its exponents 1, 3, 5, ...
+        head_slopes = torch.cat([head_slopes, _powers(2 * below, num_heads - below, step=2)])
+    return head_slopes.float()
 
 
-def _powers(n: int) -> list[float]:
-    start = 2.0 ** (-8.0 / n)
-    return [start ** (i + 1) for i in range(n)]
+def _powers(n: int, count: int, step: int = 1) -> torch.Tensor:
+    """(2^(-8/n))^e for e = 1, 1 + step, ..., `count` of them, float64 (one tensor op, not a
+    Python loop: a large count fails at once on memory instead of running for hours)."""
+    exponents = torch.arange(1, 1 + step * count, step, dtype=torch.float64)
+    return torch.full((), 2.0 ** (-8.0 / n), dtype=torch.float64) ** exponents
 
 
 def bias(
@@ -68,7 +68,8 @@ def bias(
 
     Raises:
         TypeError: head_slopes is not a 1-D floating-point tensor, or a size not an int.
-        ValueError: a negative size.
+        ValueError: a negative size, or a size or heads x num_queries x num_keys past
+            MAX_SIZE (2**40).
 
     Examples:
         >>> bias(torch.tensor([0.5]), num_queries=2, num_keys=3)
@@ -79,8 +80,12 @@ def bias(
         raise TypeError(f"head_slopes must be a 1-D tensor (heads,), got {head_slopes!r:.60}")
     if not head_slopes.is_floating_point():
         raise TypeError(f"head_slopes must be floating point, got {head_slopes.dtype}")
-    tq = check_int("num_queries", num_queries, minimum=0)
-    tk = tq if num_keys is None else check_int("num_keys", num_keys, minimum=0)
+    tq = check_size("num_queries", num_queries, minimum=0)
+    tk = tq if num_keys is None else check_size("num_keys", num_keys, minimum=0)
+    heads = head_slopes.shape[0]
+    check_size(
+        f"heads x num_queries x num_keys ({heads} x {tq} x {tk})", heads * tq * tk, minimum=0
+    )
     device = head_slopes.device
     query_positions, key_positions = masks.aligned_positions(tq, tk, device=device)  # (tq,), (tk,)
     distance = key_positions[None, :] - query_positions[:, None]  # (tq, tk)

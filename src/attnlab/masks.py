@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 
 from attnlab._validate import (
+    MAX_SIZE,
     check_additive_mask,
     check_float_dtype,
     check_index_tensor,
     check_int,
     check_mask_kind,
     check_same_device,
+    check_size,
     check_tensor,
 )
 
@@ -77,17 +79,35 @@ def aligned_positions(
 
     Raises:
         TypeError: a size that is not an int.
-        ValueError: a negative size or offset.
+        ValueError: a negative size or offset, or one past MAX_SIZE (2**40).
 
     Examples:
         >>> aligned_positions(2, 3)
         (tensor([1, 2]), tensor([0, 1, 2]))
     """
-    num_queries = check_int("num_queries", num_queries, minimum=0)
-    num_keys = num_queries if num_keys is None else check_int("num_keys", num_keys, minimum=0)
-    offset = num_keys - num_queries if offset is None else check_int("offset", offset, minimum=0)
+    num_queries, num_keys, offset = _aligned(num_queries, num_keys, offset)
     query_pos = torch.arange(num_queries, device=device) + offset  # (q,)
     return query_pos, torch.arange(num_keys, device=device)  # (q,), (k,)
+
+
+def _aligned(num_queries: object, num_keys: object, offset: object) -> tuple[int, int, int]:
+    """aligned_positions' checked arguments: (num_queries, num_keys, offset), each an int in
+    [0, MAX_SIZE], so that offset + num_queries stays an exact int64."""
+    num_queries = check_size("num_queries", num_queries, minimum=0)
+    num_keys = num_queries if num_keys is None else check_size("num_keys", num_keys, minimum=0)
+    offset = num_keys - num_queries if offset is None else check_size("offset", offset, minimum=0)
+    return num_queries, num_keys, offset
+
+
+def _check_mask_size(num_queries: object, num_keys: object, offset: object) -> None:
+    """aligned_positions' checks, and a (num_queries, num_keys) mask of at most MAX_SIZE
+    elements: before anything is allocated."""
+    num_queries, num_keys, _ = _aligned(num_queries, num_keys, offset)
+    check_size(
+        f"num_queries x num_keys ({num_queries} x {num_keys})",
+        num_queries * num_keys,
+        minimum=0,
+    )
 
 
 def visible_keys(query_position: int, window: int | None = None) -> range:
@@ -106,14 +126,14 @@ def visible_keys(query_position: int, window: int | None = None) -> range:
 
     Raises:
         TypeError: a non-int position or window.
-        ValueError: a negative position, or window < 1.
+        ValueError: a negative position or one past MAX_SIZE (2**40), or window < 1.
 
     Examples:
         >>> visible_keys(5, window=3)
         range(3, 6)
     """
-    if type(query_position) is not int or query_position < 0:  # plain ints skip the checks:
-        query_position = check_int("query_position", query_position, minimum=0)  # decoding
+    if type(query_position) is not int or not 0 <= query_position <= MAX_SIZE:  # decoding:
+        query_position = check_size("query_position", query_position, minimum=0)  # cheap
     if window is not None and (type(window) is not int or window < 1):
         window = _window(window)
     first, last = _key_bounds(query_position, window)
@@ -143,13 +163,15 @@ def causal_mask(
 
     Raises:
         TypeError: a size that is not an int.
-        ValueError: a negative size or offset.
+        ValueError: a negative size or offset, a size or offset past MAX_SIZE (2**40), or
+            num_queries x num_keys past it.
 
     Examples:
         >>> causal_mask(2, 3)
         tensor([[ True,  True, False],
                 [ True,  True,  True]])
     """
+    _check_mask_size(num_queries, num_keys, offset)
     query_pos, key_pos = aligned_positions(num_queries, num_keys, offset=offset, device=device)
     return _allowed(query_pos.unsqueeze(1), key_pos.unsqueeze(0), None)  # (q, k)
 
@@ -178,7 +200,8 @@ def sliding_window_mask(
 
     Raises:
         TypeError: a size or window that is not an int.
-        ValueError: a negative size or offset, or window < 1.
+        ValueError: a negative size or offset, a size or offset past MAX_SIZE (2**40),
+            num_queries x num_keys past it, or window < 1.
 
     Examples:
         >>> sliding_window_mask(3, window=2)
@@ -187,6 +210,7 @@ def sliding_window_mask(
                 [False,  True,  True]])
     """
     window = _window(window)
+    _check_mask_size(num_queries, num_keys, offset)
     query_pos, key_pos = aligned_positions(num_queries, num_keys, offset=offset, device=device)
     return _allowed(query_pos.unsqueeze(1), key_pos.unsqueeze(0), window)  # (q, k)
 
@@ -254,15 +278,19 @@ def padding_mask_from_lengths(lengths: torch.Tensor, num_keys: int) -> torch.Ten
 
     Raises:
         TypeError: lengths is not an integer tensor, or num_keys not an int.
-        ValueError: lengths is not 1-D, or a length lies outside [0, num_keys].
+        ValueError: lengths is not 1-D, a length lies outside [0, num_keys], or num_keys
+            (or batch x num_keys) is past MAX_SIZE (2**40).
 
     Examples:
         >>> padding_mask_from_lengths(torch.tensor([3, 1]), num_keys=3)[:, 0, 0]
         tensor([[ True,  True,  True],
                 [ True, False, False]])
     """
-    num_keys = check_int("num_keys", num_keys)
+    num_keys = check_size("num_keys", num_keys)
     check_index_tensor("lengths", lengths)  # one length per sequence
+    check_size(
+        f"batch x num_keys ({len(lengths)} x {num_keys})", len(lengths) * num_keys, minimum=0
+    )
     if ((lengths < 0) | (lengths > num_keys)).any():
         raise ValueError(f"lengths must be in [0, num_keys={num_keys}], got {lengths.tolist()}")
     keep = torch.arange(num_keys, device=lengths.device) < lengths.unsqueeze(1)  # (b, k)

@@ -16,6 +16,7 @@ from attnlab._validate import (
     check_float,
     check_int,
     check_same_device,
+    check_size,
     check_tensor,
 )
 
@@ -35,8 +36,8 @@ class RotaryEmbedding(nn.Module):
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: an odd or non-positive head_dim, max_positions < 1, or base <= 1 or not
-            finite.
+        ValueError: an odd or non-positive head_dim, max_positions < 1, base <= 1 or not
+            finite, or head_dim, max_positions or their product past MAX_SIZE (2**40).
 
     Examples:
         >>> rope = RotaryEmbedding(head_dim=8, max_positions=16)
@@ -54,8 +55,9 @@ class RotaryEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.head_dim = _check_head_dim(head_dim)
-        self.max_positions = check_int("max_positions", max_positions)
+        head_dim = _check_head_dim(head_dim)
+        max_positions = _check_positions("max_positions", max_positions, head_dim)
+        self.head_dim, self.max_positions = head_dim, max_positions
         self.base = check_base(base, "base")
         cos, sin = rotary_tables(self.head_dim, self.max_positions, self.base, device=device)
         self.register_buffer("cos", cos, persistent=False)  # (positions, hd), float32
@@ -152,10 +154,11 @@ def rotary_tables(
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: an odd or non-positive head_dim, num_positions < 1, base <= 1 or not finite.
+        ValueError: an odd or non-positive head_dim, num_positions < 1, base <= 1 or not
+            finite, or head_dim, num_positions or their product past MAX_SIZE (2**40).
     """
     head_dim = _check_head_dim(head_dim)
-    num_positions = check_int("num_positions", num_positions)
+    num_positions = _check_positions("num_positions", num_positions, head_dim)
     base = check_base(base, "base")
     # float64 on the CPU for exact angles at large positions (not every device has float64)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
@@ -224,8 +227,16 @@ def check_base(base: object, name: str = "rope_base") -> float:
 
 
 def _check_head_dim(head_dim: object, name: str = "head_dim") -> int:
-    """An even int >= 2 (rotate-half pairs feature i with i + hd/2)."""
-    head_dim = check_int(name, head_dim)
+    """An even int in [2, MAX_SIZE] (rotate-half pairs feature i with i + hd/2)."""
+    head_dim = check_size(name, head_dim)
     if head_dim % 2 != 0:
         raise ValueError(f"rotary embeddings need an even {name}, got {head_dim}")
     return head_dim
+
+
+def _check_positions(name: str, num_positions: object, head_dim: int) -> int:
+    """An int in [1, MAX_SIZE] whose (positions, head_dim) tables hold at most MAX_SIZE
+    entries each."""
+    num_positions = check_size(name, num_positions)
+    check_size(f"{name} x head_dim ({num_positions} x {head_dim})", num_positions * head_dim)
+    return num_positions

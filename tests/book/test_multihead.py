@@ -1,12 +1,14 @@
 """Section 3.6: the weight-split module equals the wrapper with the same weights, equals
 PyTorch's fused causal attention, and exercises 3.2 and 3.3."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
 from attnlab import book
+from attnlab.book import multihead
 from tests.invariants import assert_batch_independent, assert_causal
 
 seeds = st.integers(0, 2**31 - 1)
@@ -107,3 +109,20 @@ def test_exercise_3_3_gpt2_small_parameter_count():
     assert book.count_parameters(mha) == torch_count + 768 == 4 * 768 * 768 + 768
     torch.manual_seed(0)
     assert mha(torch.randn(1, 5, 768)).shape == (1, 5, 768)
+
+
+@pytest.mark.parametrize("num_heads", [2**63, 2**40 + 1])
+def test_the_wrapper_refuses_a_head_count_past_the_bound_before_building_a_head(
+    num_heads, monkeypatch
+):
+    """MultiHeadAttentionWrapper(8, 4, 16, 0.0, 2**63) once started building 2**63 heads (a
+    hang): the count is refused by name before the first head is built."""
+
+    def no_head(*args, **kwargs):
+        raise AssertionError("a head was built before num_heads was checked")
+
+    monkeypatch.setattr(multihead, "CausalAttention", no_head)
+    with pytest.raises(ValueError, match=rf"num_heads must be at most .*, got {num_heads:,}"):
+        book.MultiHeadAttentionWrapper(8, 4, 16, 0.0, num_heads)
+    with pytest.raises(ValueError, match=rf"num_heads must be at most .*, got {num_heads:,}"):
+        book.MultiHeadAttention(8, 8, 16, 0.0, num_heads)

@@ -17,6 +17,7 @@ from attnlab._validate import (
     check_dropout,
     check_int,
     check_like_module,
+    check_size,
     check_tensor,
     check_tokens,
 )
@@ -39,7 +40,7 @@ class MultiHeadAttentionWrapper(nn.Module):
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: a size < 1, or dropout outside [0, 1).
+        ValueError: a size < 1, num_heads past MAX_SIZE (2**40), or dropout outside [0, 1).
     """
 
     def __init__(
@@ -52,7 +53,7 @@ class MultiHeadAttentionWrapper(nn.Module):
         qkv_bias: bool = False,
     ) -> None:
         super().__init__()
-        check_int("num_heads", num_heads)
+        check_size("num_heads", num_heads)  # bounded before the loop that builds the heads
         self.heads = nn.ModuleList(
             [
                 CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
@@ -118,7 +119,7 @@ class MultiHeadAttention(nn.Module):
         self.d_in = check_int("d_in", d_in)
         self.d_out = check_int("d_out", d_out)
         self.context_length = check_int("context_length", context_length)
-        self.num_heads = check_int("num_heads", num_heads)
+        self.num_heads = check_size("num_heads", num_heads)
         check_divides("num_heads", num_heads, "d_out", d_out)
         check_dropout("dropout", dropout)
         self.head_dim = self.d_out // self.num_heads
