@@ -187,6 +187,10 @@ def _rewrite(path, *, config=None, drop=(), tensors=None, metadata=None):
         ("device", "cuda", "'cuda'"),
         ("dtype", "float16", "'float16'"),
         ("colour", "blue", "'blue'"),
+        ("context_length", 2**63, "at most 1,099,511,627,776 .* got 9,223,372,036,854,775,808"),
+        ("d_in", 2**63, "at most 1,099,511,627,776 .* got 9,223,372,036,854,775,808"),
+        ("num_heads", 2**40 + 1, "at most 1,099,511,627,776 .* got 1,099,511,627,777"),
+        ("window", 2**64, "at most 1,099,511,627,776 .* got 18,446,744,073,709,551,616"),
     ],
 )
 def test_a_config_value_off_the_schema_names_the_key_and_the_value(tmp_path, key, value, shown):
@@ -425,3 +429,94 @@ def test_a_file_whose_weights_are_not_finite_is_refused_naming_the_tensor(tmp_pa
     save_file(state, str(path), metadata=metadata)
     with pytest.raises(ValueError, match=r"tensor 'out_proj.weight' has a non-finite value"):
         attnlab.load(path)
+
+
+def _with_config_text(path, text):
+    """Re-write `path` with its config metadata replaced by `text` (any string)."""
+    with safe_open(str(path), framework="pt") as file:
+        stored = dict(file.metadata())
+        state = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+    save_file(state, str(path), metadata={**stored, "config": text})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deep"),  # once a RecursionError
+        ('{"d_in": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
+        ('{"d_in": ' + "9" * 5000 + "}", "digits"),  # Python's int limit: a bare ValueError
+        ('{"d_in": 8', "Expecting"),
+        ("", "Expecting value"),
+    ],
+    ids=["deep-list", "deep-value", "long-int", "truncated", "empty"],
+)
+def test_any_json_failure_of_the_config_is_a_value_error_naming_the_file(tmp_path, text, reason):
+    _, path = _saved(tmp_path)
+    _with_config_text(path, text)
+    with pytest.raises(
+        ValueError,
+        match=rf"m\.safetensors'?: its config metadata is not "
+        rf"readable JSON \(.*{reason}",
+    ):
+        attnlab.load(path)
+
+
+def test_a_huge_config_value_is_shown_cut_in_the_message(tmp_path):
+    _, path = _saved(tmp_path)
+    _rewrite(path, config={"colour": "x" * 1_000_000, "d_in": list(range(100_000))})
+    with pytest.raises(ValueError) as error:
+        attnlab.load(path)
+    assert len(str(error.value)) < 1000 and "\u2026" in str(error.value)
+
+
+BOOK_NAMES = ["W_query.weight", "W_key.weight", "W_value.weight", "out_proj.weight"]
+BOOK_NAMES += ["out_proj.bias"]
+
+
+@pytest.mark.parametrize(
+    ("kept", "given", "lacks", "hint"),
+    [
+        (["W_query.weight"], {}, [*BOOK_NAMES[1:], "mask"], True),
+        (["W_query.weight"], {"context_length": 10}, BOOK_NAMES[1:], False),
+        (BOOK_NAMES, {}, ["mask"], True),
+        ([*BOOK_NAMES, "W_query.bias", "mask"], {}, ["W_key.bias", "W_value.bias"], False),
+    ],
+    ids=["query-only", "query-only-with-context_length", "no-mask", "one-bias"],
+)
+def test_a_book_checkpoint_missing_tensors_names_them(tmp_path, kept, given, lacks, hint):
+    """A .pth holding only W_query.weight once raised Python's TypeError about the
+    constructor's context_length."""
+    full = book.MultiHeadAttention(6, 4, 10, 0.0, 2, qkv_bias=True).state_dict()
+    path = tmp_path / "book.pth"
+    torch.save({name: full[name] for name in kept}, path)
+    with pytest.raises(ValueError, match="a book MultiHeadAttention state_dict") as error:
+        attnlab.load(path, num_heads=2, **given)
+    message = str(error.value)
+    assert message.startswith(repr(str(path))), message
+    assert f"lacks {lacks}" in message, message
+    assert ("pass context_length=" in message) == hint, message
+
+
+def test_a_book_checkpoint_without_a_mask_loads_with_context_length_given(tmp_path):
+    torch.manual_seed(2)
+    original = book.MultiHeadAttention(6, 4, 10, 0.0, 2).eval()
+    state = {k: v for k, v in original.state_dict().items() if k != "mask"}
+    path = tmp_path / "book.pth"
+    torch.save(state, path)
+    loaded = attnlab.load(path, num_heads=2, context_length=10).eval()
+    x = torch.randn(1, 10, 6)
+    torch.testing.assert_close(loaded(x), original(x), atol=1e-6, rtol=1e-5)
+
+
+def test_a_book_mask_that_is_not_square_is_named(tmp_path):
+    state = book.MultiHeadAttention(6, 4, 10, 0.0, 2).state_dict()
+    state["mask"] = state["mask"][0]  # (10,): no context_length to read
+    path = tmp_path / "book.pth"
+    torch.save(state, path)
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'mask' must be \(context_length, "
+        r"context_length\), got shape \(10,\)",
+    ):
+        attnlab.load(path, num_heads=2)

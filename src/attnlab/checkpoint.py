@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from attnlab import __version__, functional
+from attnlab import __version__, functional, qkv
 from attnlab._memory import available_bytes
-from attnlab._validate import check_bool, check_dropout, check_finite, check_int
+from attnlab._validate import check_bool, check_dropout, check_finite, check_size
 from attnlab.attention import MultiHeadAttention
 from attnlab.rope import check_base
 
@@ -149,10 +149,11 @@ def load(
             arguments given for a safetensors file, or a dtype for a book file.
         FileNotFoundError: no file at path.
         ValueError: the file is not an attnlab or book checkpoint (with a hint naming the
-            function that fits a state_dict of another kind), its config fails the schema,
-            its tensors do not fit its config or are not floating-point, its checksum does
-            not match, the module would need more memory than the machine has, or device
-            names no available device.
+            function that fits a state_dict of another kind), a book file lacks tensors
+            (each named), its config metadata is not readable JSON (too deep included) or
+            fails the schema (a size past MAX_SIZE included), its tensors do not fit its
+            config or are not floating-point, its checksum does not match, the module would
+            need more memory than the machine has, or device names no available device.
     """
     path = _check_path(path)
     device = _check_device(device)
@@ -225,11 +226,11 @@ def _check_device(device: object) -> torch.device | None:
 
 
 def _size(key: str, value: object) -> int:
-    return check_int(key, value)
+    return check_size(key, value)
 
 
 def _optional_size(key: str, value: object) -> int | None:
-    return None if value is None else check_int(key, value)
+    return None if value is None else check_size(key, value)
 
 
 def _finite(key: str, value: object) -> None:
@@ -277,23 +278,29 @@ def _check_config(where: str, config: Mapping) -> dict:
     for key, value in config.items():
         if key in _CALLER_KEYS:
             raise ValueError(
-                f"{where}: config[{key!r}] = {value!r} is not accepted: a file says what the "
-                f"weights are, the caller says where they go (attnlab.load(path, "
+                f"{where}: config[{_shown(key)}] = {_shown(value)} is not accepted: a file says "
+                f"what the weights are, the caller says where they go (attnlab.load(path, "
                 f"device=...), then module.to(dtype))"
             )
         if key not in _SCHEMA:
             raise ValueError(
-                f"{where}: config[{key!r}] = {value!r} is not a MultiHeadAttention argument "
-                f"(known: {', '.join(_SCHEMA)})"
+                f"{where}: config[{_shown(key)}] = {_shown(value)} is not a MultiHeadAttention "
+                f"argument (known: {', '.join(_SCHEMA)})"
             )
         try:
             _SCHEMA[key](f"config[{key!r}]", value)
         except (TypeError, ValueError) as error:
-            raise ValueError(f"{where}: {error}") from error
+            raise ValueError(f"{where}: {_shown(error, str)}") from error
     missing = [key for key in _REQUIRED if key not in config]
     if missing:
         raise ValueError(f"{where}: config lacks {', '.join(map(repr, missing))}")
     return dict(config)
+
+
+def _shown(value: object, show: Callable[[object], str] = repr, width: int = 300) -> str:
+    """A value (the file's data) as a message shows it: at most `width` characters."""
+    text = show(value)
+    return text if len(text) <= width else text[: width - 1] + "\u2026"
 
 
 def _plain_numbers(config: Mapping) -> dict:
@@ -476,10 +483,15 @@ def _read_config(path: Path, metadata: Mapping[str, str], specs: Mapping) -> dic
             f"{str(path)!r} is not an attnlab checkpoint (metadata format "
             f"{metadata.get('format')!r}, expected {FORMAT!r})" + (f": {hint}" if hint else "")
         )
+    if "config" not in metadata:
+        raise ValueError(f"{str(path)!r}: its config metadata is missing")
     try:
         config = json.loads(metadata["config"])
-    except (KeyError, json.JSONDecodeError) as error:
-        raise ValueError(f"{str(path)!r}: its config metadata is missing or not JSON") from error
+    except (ValueError, TypeError, RecursionError) as error:  # any JSON failure, depth too
+        reason = "nested too deep" if isinstance(error, RecursionError) else error
+        raise ValueError(
+            f"{str(path)!r}: its config metadata is not readable JSON ({reason})"
+        ) from None
     if not isinstance(config, dict):
         raise ValueError(f"{str(path)!r}: its config metadata is not a JSON object")
     unknown = sorted(set(metadata) - set(_METADATA_KEYS))
@@ -531,6 +543,7 @@ def _load_book(path: Path, config: dict) -> MultiHeadAttention:
             f"{where} is not a book MultiHeadAttention state_dict (no W_query.weight)"
             + (f": {hint}" if hint else "")
         )
+    _check_book_tensors(where, state, config)
     if "num_heads" not in config:
         raise TypeError(
             f"a book checkpoint does not record num_heads: pass it, load({str(path)!r}, "
@@ -549,6 +562,33 @@ def _load_book(path: Path, config: dict) -> MultiHeadAttention:
         first = " ".join(str(error).strip().splitlines())[:400]
         raise ValueError(f"{where}: its tensors do not fit its config: {first}") from error
     return module
+
+
+def _check_book_tensors(where: str, state: Mapping[str, torch.Tensor], config: Mapping) -> None:
+    """Every tensor a book MultiHeadAttention state_dict holds, named if missing: the query,
+    key and value weights (and all three biases or none), out_proj's weight and bias, and the
+    causal mask, which records context_length (not needed when the caller passes it)."""
+    weights = [f"{p}.weight" for p in qkv.BOOK_PROJECTIONS]
+    biases = [f"{p}.bias" for p in qkv.BOOK_PROJECTIONS]
+    needed = [*weights, *(biases if any(b in state for b in biases) else ()), "out_proj.weight"]
+    needed += ["out_proj.bias", *(() if "context_length" in config else ("mask",))]
+    missing = [name for name in needed if name not in state]
+    if missing:
+        hint = (
+            " (the mask records context_length: pass context_length=... where the file has none)"
+            if "mask" in missing
+            else ""
+        )
+        raise ValueError(
+            f"{where}: a book MultiHeadAttention state_dict must hold {needed}; this one "
+            f"lacks {missing}{hint}"
+        )
+    mask = state.get("mask")
+    if mask is not None and (mask.dim() != 2 or mask.shape[0] != mask.shape[1]):
+        raise ValueError(
+            f"{where}: tensor 'mask' must be (context_length, context_length), got shape "
+            f"{tuple(mask.shape)}"
+        )
 
 
 def _read_book_state(path: Path) -> dict[str, torch.Tensor]:
