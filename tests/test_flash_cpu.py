@@ -3,18 +3,20 @@ backend (and a float64 reference) in forward and gradients, for any length, with
 and float masks, grouped-query heads and more keys than queries; fully masked rows give
 zeros and finite gradients; auto routes causal float32 CPU calls to it."""
 
+import ast
 import os
 import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab import _build, flash_cpu, functional, masks
+from attnlab import _build, flash_cpu, functional, masks, padded
 from attnlab.functional import attention
 from tests.definitions import reference
 
@@ -504,3 +506,44 @@ def test_auto_under_cpu_autocast_gives_sdpas_dtype_at_every_length(tokens):
         padded = torch.ones(1, 1, tokens, tokens, dtype=torch.bool).tril()
         out_masked = attention(q, k, v, mask=padded, causal=True, backend="auto")
     assert out.dtype == out_masked.dtype == expected.dtype == torch.bfloat16
+
+
+def test_compiled_flash_attention_with_grad_is_one_graph_equal_to_eager():
+    """torch.compile(fullgraph=True) of attention(..., backend="flash") on inputs that
+    require grad: one graph, forward and backward equal to eager (on torch 2.14 and 2.15
+    Dynamo failed on the generator expressions flash_cpu unpacked: "generator already
+    executing"; scripts/newest_torch.sh runs this on the newest torch)."""
+    _kernel_or_skip()
+    q, k, v = [t.requires_grad_() for t in _qkv(2, 4, 2, 96, 96, 16, seed=31)]
+
+    def run(q, k, v):
+        return attention(q, k, v, causal=True, backend="flash")
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    out, expected = compiled(q, k, v), run(q, k, v)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    for grad, ref in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=0, rtol=0)
+
+
+def _unpacked_generators(path: Path) -> list[int]:
+    """Lines of `path` that unpack a generator expression into names (`a, b = (f(t) for t
+    in ...)`)."""
+    tree = ast.parse(path.read_text())
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.GeneratorExp)
+        and any(isinstance(target, (ast.Tuple, ast.List)) for target in node.targets)
+    ]
+
+
+@pytest.mark.parametrize("module", [flash_cpu, padded])
+def test_the_kernel_s_python_faces_unpack_no_generator(module):
+    """The code Dynamo traces around the kernel unpacks lists or tuples, never a generator
+    expression: Dynamo of torch 2.14 and 2.15 fails on that inside the autograd.Function
+    ("generator already executing"), so the compiled flash backend failed with grad."""
+    assert _unpacked_generators(Path(module.__file__)) == []

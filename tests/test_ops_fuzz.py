@@ -9,7 +9,8 @@ torch.compile(fullgraph=True).
 
 The subprocess runs all of an op's cases in order and reports each one (begun, then its
 outcome) on a file; one that dies or hangs is blamed on the case it had begun, and a new
-subprocess resumes after it. Run as a script, this file is that subprocess.
+subprocess resumes after it. Run as a module (python -m tests.test_ops_fuzz), this file is
+that subprocess. What torch itself prints there (tests.torch_logs) is not the op's.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import pytest
 import torch
 
 from attnlab import decode_cpu, flash_cpu
+from tests.torch_logs import without_torch_logs
 
 CASE_TIMEOUT = 20.0  # seconds one case may run (each takes milliseconds)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 # ---------------------------------------------------------------------------------------------
 # decode_step: x (b, 1, d_in), w_qkv (d_out + 2 hkv hd, d_in), w_out (d_out, d_out), cos/sin
@@ -444,7 +447,7 @@ def _child(op_name: str, start: int, report_path: str) -> None:
                     libc.fflush(None)  # C's stdio buffers (BLAS's messages)
                     os.dup2(saved[0], 1), os.dup2(saved[1], 2)
                 printed.seek(0)
-                outcome["printed"] = printed.read().decode(errors="replace")
+                outcome["printed"] = without_torch_logs(printed.read().decode(errors="replace"))
             if "raised" in outcome:
                 outcome["changed"] = [k for k, t in before.items() if not _same(t, args[k])]
             report.write(json.dumps({"end": index, **outcome}) + "\n")
@@ -481,8 +484,11 @@ def _run_cases(op_name: str, tmp_dir: str) -> tuple[dict[int, dict], list[str]]:
     while start < len(cases):
         report = os.path.join(tmp_dir, f"{op_name}-{run}.jsonl")
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            process = subprocess.Popen(
-                [sys.executable, __file__, op_name, str(start), report], stdout=out, stderr=err
+            process = subprocess.Popen(  # run as a module: it imports tests.torch_logs
+                [sys.executable, "-m", "tests.test_ops_fuzz", op_name, str(start), report],
+                stdout=out,
+                stderr=err,
+                cwd=ROOT,
             )
             begun, since, hung = None, time.monotonic(), False
             while process.poll() is None:
@@ -510,7 +516,7 @@ def _run_cases(op_name: str, tmp_dir: str) -> tuple[dict[int, dict], list[str]]:
                 start = len(cases)
             for stream, what in ((out, "stdout"), (err, "stderr")):
                 stream.seek(0)
-                text = stream.read().decode(errors="replace")
+                text = without_torch_logs(stream.read().decode(errors="replace"))
                 if text and not unfinished:
                     problems.append(f"run {run} printed on {what}: {text[-2000:]}")
         run += 1
@@ -659,6 +665,28 @@ def test_compile_traces_the_backward_op():
     compiled = torch.compile(grads, fullgraph=True, backend="aot_eager")
     for got, expected in zip(compiled(kwargs), grads(kwargs), strict=True):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_torch_s_own_log_lines_on_the_subprocess_stderr_are_not_the_op_s(tmp_path, monkeypatch):
+    """A subprocess that prints torch's own start-up line (as the CUDA wheels do when
+    torch.utils.cpp_extension is imported: "No CUDA runtime is found") reports no problem
+    and no case printing: they fail on what the op prints, not on what torch does."""
+    if not decode_cpu.available():
+        pytest.skip(f"the decode step is unavailable: {decode_cpu.load_error()}")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(  # as torch 2.14 logs it, and as 2.13 printed it
+        "import sys\n"
+        "print('W1126 08:05:38.917000 14272 torch/utils/cpp_extension.py:183] No CUDA runtime "
+        "is found, using CUDA_HOME=/usr/local', file=sys.stderr)\n"
+        "print('No CUDA runtime is found, using CUDA_HOME=/usr/local/cuda', file=sys.stderr)\n"
+    )
+    paths = [str(site), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    outcomes, problems = _run_cases("decode_step", str(tmp_path))
+    assert problems == []
+    assert len(outcomes) == len(DECODE_CASES)
+    assert all(outcome.get("printed") == "" for outcome in outcomes.values())
 
 
 if __name__ == "__main__":  # the subprocess of _run_cases

@@ -1,6 +1,9 @@
 """attnlab.padded: a causal & padding mask runs as the causal kernel over each sequence's
 real keys, equal to the masked math backend forward and backward; other masks fall back."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -102,3 +105,24 @@ def test_a_mask_broadcast_over_the_keys_is_not_a_range(mask, causal):
     out = attention(q, k, v, mask=mask, causal=causal)
     ref = attention(q, k, v, mask=mask, causal=causal, backend="math")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_attention_in_a_fresh_process_loads_the_kernel_itself():
+    """padded.attention called first thing in a process (no attention call before it to
+    load the op) builds or loads the kernel and equals the masked math backend."""
+    code = (
+        "import torch\n"
+        "from attnlab import masks, padded\n"
+        "from attnlab.functional import attention\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "q, k, v = [torch.randn(2, 2, 40, 8, generator=g) for _ in range(3)]\n"
+        "starts, ends = torch.tensor([0, 10]), torch.tensor([40, 40])\n"
+        "out = padded.attention(q, k, v, (starts, ends), 8 ** -0.5)\n"
+        "keep = (torch.arange(40) >= starts[:, None]) & (torch.arange(40) < ends[:, None])\n"
+        "ref = attention(q, k, v, mask=masks.padding_mask(keep), causal=True, backend='math')\n"
+        "torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)\n"
+        "print('equal')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["equal"]

@@ -80,7 +80,14 @@ def attention(
     broadcastable to (b, hq, tq, tk), -inf where a query may not attend. key_ranges
     (start, end), int64 (b,) each: sequence i reads only keys [start[i], end[i]) (a padded
     batch, at the cost of its real keys only). A row with no key it may see gets zeros.
-    Any strides (dense_rows copies what the kernel cannot read). Differentiable."""
+    Any strides (dense_rows copies what the kernel cannot read). Differentiable.
+
+    Raises:
+        RuntimeError: the kernel is unavailable (the reason), or, from the op, an argument
+            outside its contract (tensors on different devices included), named.
+    """
+    if not available():  # builds or loads the op on the first call of a process
+        raise RuntimeError(f"attnlab's C++ causal kernel is unavailable: {load_error()}")
     out, _ = _Flash.apply(q, k, v, bias, scale, causal, key_ranges)  # lse: not differentiable
     return out
 
@@ -93,8 +100,10 @@ class _Flash(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, bias, scale, causal, key_ranges):
-        q, k, v = (dense_rows(t) for t in (q, k, v))  # the rows BLAS can read
-        starts, ends = key_ranges if key_ranges is not None else (_NONE, _NONE)
+        # the rows BLAS can read; no generator unpacked (Dynamo 2.14+ fails on it in a
+        # function traced with autograd: "generator already executing")
+        q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)
+        starts, ends = _ranges(key_ranges, q)
         return tuple(  # (out, lse): the op returns a list, which apply would not track
             torch.ops.attnlab.causal_flash_forward(
                 q,
@@ -115,7 +124,7 @@ class _Flash(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         q, k, v, bias, scale, causal, key_ranges = inputs
         out, lse = output
-        starts, ends = key_ranges if key_ranges is not None else (_NONE, _NONE)
+        starts, ends = _ranges(key_ranges, q)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, bias, out, lse, starts, ends)
         ctx.scale, ctx.causal = scale, causal
@@ -124,7 +133,7 @@ class _Flash(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, bias, out, lse, starts, ends = ctx.saved_tensors
-        q, k, v = (dense_rows(t) for t in (q, k, v))  # as the forward read them
+        q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # as the forward read them
         grad_q, grad_k, grad_v = torch.ops.attnlab.causal_flash_backward(
             dense_rows(grad_out),
             q,
@@ -145,11 +154,20 @@ class _Flash(torch.autograd.Function):
 
 
 def _mask(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The kernel's mask argument: empty for no bias, else the bias as a 4-D view."""
-    return torch.empty(0) if bias is None else _broadcast_4d(bias, q, k)
+    """The kernel's mask argument: empty (on q's device) for no bias, else the bias as a
+    4-D view."""
+    return q.new_empty(0) if bias is None else _broadcast_4d(bias, q, k)
 
 
-_NONE = torch.empty(0, dtype=torch.long)
+def _ranges(
+    key_ranges: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's key_start and key_end: the ranges, or empty int64 tensors on q's device
+    (the op refuses tensors on different devices, an empty one included)."""
+    if key_ranges is not None:
+        return key_ranges
+    none = q.new_empty(0, dtype=torch.long)
+    return none, none
 
 
 def _broadcast_4d(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -52,5 +52,5 @@ def attention(
     """Causal attention of each sequence over its keys [start, end) with attnlab's kernel,
     in one call, differentiable; rows before `start` are zero. (b, hq, t, hdv)."""
     batch = q.shape[0]  # a mask without a batch dimension gives one range for all
-    starts, ends = (r.expand(batch).contiguous() for r in ranges)  # (b,) each
+    starts, ends = ranges[0].expand(batch).contiguous(), ranges[1].expand(batch).contiguous()
     return flash_cpu.attention(q, k, v, None, scale, True, key_ranges=(starts, ends))
