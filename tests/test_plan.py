@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab import MultiHeadAttention, decode_cpu, plan
 from attnlab.rope import RotaryEmbedding
@@ -313,3 +314,131 @@ def test_both_projections_of_a_plain_module_take_the_blocks_on_few_rows(monkeypa
     with torch.no_grad():
         m(torch.randn(1, 6, 16))
     assert seen == [m.qkv_proj.weight.shape, m.out_proj.weight.shape]
+
+
+# A pristine state, stated positively: what users and their tools do that the fast paths
+# must not skip (issue 37's cases 1, 2, 3 and 7).
+
+
+class Shifted:
+    """An instance-level forward wrapping the class's, as accelerate's add_hook_to_module
+    attaches (and many LoRA and quantisation shims): the layer's output plus 0.5."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        return type(self.layer).forward(self.layer, x) + 0.5
+
+
+@pytest.mark.parametrize("name", ["qkv_proj", "out_proj"])
+def test_an_instance_forward_on_a_projection_runs_on_every_path(name):
+    m = build(2, bias=True, rope=True)
+    layer = getattr(m, name)
+    layer.forward = Shifted(layer)
+    assert_every_path_is_the_reference(m)
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        assert not torch.allclose(m(x), build(2, bias=True, rope=True)(x), atol=0.1)
+
+
+@pytest.mark.parametrize("name", ["qkv_proj", "out_proj"])
+@pytest.mark.parametrize("kind", ["buffer", "plain attribute"])
+def test_a_weight_held_as_a_buffer_or_a_plain_attribute_is_the_reference(name, kind):
+    """Compared with a twin holding the same weight as its parameter (the reference's
+    float64 copy would not convert a plain attribute)."""
+    m, twin = build(2, bias=False), build(2, bias=False)
+    layer = getattr(m, name)
+    weight = layer.weight.detach().clone() * 0.5
+    del layer.weight
+    if kind == "buffer":
+        layer.register_buffer("weight", weight)
+    else:
+        layer.weight = weight
+    with torch.no_grad():
+        getattr(twin, name).weight.copy_(weight)
+    x = torch.randn(2, 40, 16)
+    with torch.no_grad():
+        for t in (1, 6, 40):
+            torch.testing.assert_close(m(x[:, :t]), twin(x[:, :t]), atol=1e-6, rtol=1e-5)
+        got, want = decode(m, x[:, :6]), decode(twin, x[:, :6])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+class DoubledLinear(torch.overrides.TorchFunctionMode):
+    """A function mode that doubles every F.linear (op-level instrumentation that changes
+    values, as a quantisation or sharding framework's would)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+class SeenProducts(TorchDispatchMode):
+    """A dispatch mode that counts the matrix products it sees (a FlopCounter's view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm, torch.ops.aten.bmm):
+            self.products += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_active_function_mode_runs_on_every_path():
+    m = build(2, bias=True, rope=True)
+    with DoubledLinear():
+        assert_every_path_is_the_reference(m)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_an_active_dispatch_mode_sees_the_products_on_every_path(tokens):
+    """At least two products per call, the fused projection and the output one; a decode
+    step too (the native step and the blocked projection would run them unseen)."""
+    m = build(2, rope=True)
+    with torch.no_grad():
+        cache = m.make_cache(2)
+        m(torch.randn(2, 3, 16), cache=cache)
+        calls = (
+            lambda: m(torch.randn(2, tokens, 16)),
+            lambda: m(torch.randn(2, 1, 16), cache=cache),
+        )
+        for call in calls:
+            with SeenProducts() as seen:
+                call()
+            assert seen.products >= 2
+
+
+def test_the_rope_runs_through_its_call_so_its_hooks_run_on_every_path():
+    """module.rope is called (rope(x, start)), so a forward hook on it runs on every path,
+    the decode steps included (which the native step would otherwise take): a hook
+    doubling the rotated queries and keys equals doubling their projection rows (rotation
+    is linear), and it fires once for q and once for k per call."""
+    torch.manual_seed(2)
+    x = torch.randn(2, 40, 16)
+    hooked, doubled = build(2, bias=True, rope=True), build(2, bias=True, rope=True)
+    calls = []
+    hooked.rope.register_forward_hook(lambda mod, args, out: calls.append(1) or out * 2)
+    with torch.no_grad():
+        rows = 32 + 16  # the query rows (d_out 32), then the key rows (kv_dim 16)
+        doubled.qkv_proj.weight[:rows] *= 2
+        doubled.qkv_proj.bias[:rows] *= 2
+        for t in (1, 6, 40):
+            torch.testing.assert_close(hooked(x[:, :t]), doubled(x[:, :t]), atol=1e-5, rtol=1e-5)
+        got, want = decode(hooked, x[:, :6]), decode(doubled, x[:, :6])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * (3 + 6)  # q and k: three full forwards, six decode steps
+
+
+def test_an_attribute_of_its_own_on_the_module_or_a_projection_takes_the_python_path():
+    """Anything a fresh instance does not hold leaves the fast path (slower, never wrong)."""
+    m = build(2)
+    assert plan.native_module(m) is not None
+    m.qkv_proj.tag = "mine"
+    assert plan.native_module(m) is None and not plan.plain_linear(m.qkv_proj, (64, 16))
+    del m.qkv_proj.tag
+    assert plan.native_module(m) is not None
+    m.note = 1
+    assert plan.native_module(m) is None

@@ -347,8 +347,8 @@ class MultiHeadAttention(nn.Module):
         """forward() after its checks: project, rotate, cache, attend, combine the heads."""
         q, k, v = self._project(x, context)
         if self.rope is not None and context is None:
-            # positions checked by _start_position: the tables' checks are not repeated
-            q, k = self.rope.rotate(q, start), self.rope.rotate(k, start)  # (b, h|hkv, tq, hd)
+            # through its __call__: its hooks and a subclass's forward run
+            q, k = self.rope(q, start), self.rope(k, start)  # (b, h|hkv, tq, hd)
         key_positions = None
         if cache is not None:
             k, v, key_positions = cache.append(k, v)  # (b, hkv, tk, hd): every token held
@@ -387,7 +387,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x, None)
         positions = cache.positions(x.shape[1])  # (tq,) on the device
         if self.rope is not None:
-            q, k = self.rope.rotate_at(q, positions), self.rope.rotate_at(k, positions)
+            q, k = self.rope(q, positions), self.rope(k, positions)  # through its __call__
         k, v = cache.write(k, v, positions)  # (b, hkv, capacity, hd)
         visible = cache.visible(positions, self.window)  # (tq, capacity)
         visible = visible.view(1, 1, *visible.shape)  # (1, 1, tq, capacity)
@@ -693,6 +693,9 @@ class MultiHeadAttention(nn.Module):
         layer = self._modules[first]
         weight = layer._parameters.get("weight")
         if weight is not None:
+            return weight
+        weight = getattr(layer, "weight", None)  # a buffer, or a plain attribute
+        if isinstance(weight, torch.Tensor):
             return weight
         for tensor in layer.parameters():
             return tensor

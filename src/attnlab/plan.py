@@ -4,13 +4,18 @@ how each projection runs.
 attnlab's fast paths stand beside the reference (the module's own Python path, which calls
 its submodules): the native decode step (decode_cpu: projections, rotary positions, cache
 append, attention and output projection in one C++ call) and the blocked small-row product
-(matvec). A fast path computes a layer without calling it, so it is taken only for what it
-implements exactly, by an allow-list checked on every call (attribute reads and
-comparisons): a plain `nn.Linear` of the expected shapes with no hook of any kind, local or
-global, forward or backward; attnlab's own rotary embedding with tables long enough; the
-module's own steps (no subclass or instance override); float32 on the CPU; no autocast,
-tracing or autograd recording. Anything else, whatever the user did to the module, takes the
-reference path, which calls the submodules as they are.
+(matvec). A fast path computes a layer without calling it, so it is taken only for a pristine state,
+stated positively and checked on every call (attribute reads and comparisons): each
+projection is exactly an `nn.Linear` of the expected shapes whose instance holds nothing a
+fresh `nn.Linear` does not (no instance `forward` or `__call__`, as accelerate's hooks and
+many adapters attach, no attribute of its own), whose `weight` and `bias` are registered
+`nn.Parameter`s, with no hook of any kind, local or global, forward or backward; the rotary
+embedding is exactly attnlab's, in the same sense, with tables long enough; the module's
+own steps (no subclass or instance override); inputs and weights plain tensors (no
+subclass); no torch function mode or dispatch mode active (op-level instrumentation,
+FlopCounter-like tools, quantisation and sharding frameworks, FakeTensorMode); float32 on
+the CPU; no autocast, tracing or autograd recording. Anything else, whatever the user did
+to the module, takes the reference path, which calls the submodules as they are.
 
 Checking on every call is the plan's invalidation: nothing the user changes (a submodule
 replaced, a parameter swapped or reshaped, a hook added, the rope tables, dtype, device,
@@ -19,6 +24,7 @@ autocast, grad mode) can go unseen, and the checks cost a few attribute reads.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,24 +65,59 @@ def no_global_hooks() -> bool:
     return not any(_GLOBAL_HOOKS)
 
 
-def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
-    """True when `layer` is exactly an nn.Linear (not a subclass, wrapper or parametrized
-    layer) of weight `shape` (out, in; out None: any width), contiguous, with no bias or a
-    bias of its output width, and no hook of its own: what a fast path computes in its
-    place is then what calling it gives, global hooks aside (no_global_hooks)."""
-    if type(layer) is not nn.Linear:
+def no_active_modes() -> bool:
+    """True when no torch function mode and no dispatch mode (FakeTensorMode included) is
+    active: a fast path's C++ or blocked kernels would run beneath them unseen."""
+    return not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+
+
+@functools.cache
+def _fresh_state(module_class: type) -> frozenset[str]:
+    """The instance attributes a freshly made module of `module_class` holds (nn.Linear,
+    attnlab's RotaryEmbedding): anything beyond them is the user's or a tool's."""
+    fresh = nn.Linear(1, 1) if module_class is nn.Linear else RotaryEmbedding(2, 1)
+    return frozenset(fresh.__dict__)
+
+
+@functools.cache
+def _fresh_attention_state() -> frozenset[str]:
+    """The instance attributes a fresh MultiHeadAttention holds, with and without rope."""
+    from attnlab.attention import MultiHeadAttention  # attention imports this module
+
+    plain, rotary = (
+        MultiHeadAttention(4, 4, 4, 0.0, 1),
+        MultiHeadAttention(4, 4, 4, 0.0, 1, rope=True),
+    )
+    return frozenset(plain.__dict__) | frozenset(rotary.__dict__)
+
+
+def _pristine(layer: nn.Module, module_class: type, tensors: str, names: set[str]) -> bool:
+    """`layer` is exactly `module_class`, holds no attribute a fresh one does not, no hook,
+    and exactly `names` in its `tensors` dict (_parameters or _buffers)."""
+    if type(layer) is not module_class:
         return False
     state = layer.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
-    if (
-        state["_forward_hooks"]
-        or state["_forward_pre_hooks"]
-        or state["_backward_hooks"]
-        or state["_backward_pre_hooks"]
-    ):
+    if not state.keys() <= _fresh_state(module_class):
+        return False  # an instance forward or __call__ (accelerate's hooks), any extra
+    if any(state[name] for name in _HOOKS):
         return False
-    parameters = state["_parameters"]
+    return state[tensors].keys() == names
+
+
+def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
+    """True when `layer` is a pristine nn.Linear (_pristine: not a subclass, wrapper or
+    parametrized layer, no instance forward, no hook of its own) of weight `shape` (out,
+    in; out None: any width), its weight and bias registered nn.Parameters (not a tensor
+    subclass), the weight contiguous, no bias or one of its output width: what a fast path
+    computes in its place is then what calling it gives, global hooks and modes aside
+    (no_global_hooks, no_active_modes)."""
+    if not _pristine(layer, nn.Linear, "_parameters", {"weight", "bias"}):
+        return False
+    parameters = layer.__dict__["_parameters"]
     weight, bias = parameters["weight"], parameters["bias"]
-    if weight is None or not weight.is_contiguous():
+    if type(weight) is not nn.Parameter or not weight.is_contiguous():
+        return False
+    if bias is not None and type(bias) is not nn.Parameter:
         return False
     out, features = shape
     if out is None:  # any width: the weight's own (torch.Size comparisons: one call each)
@@ -94,7 +135,7 @@ def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int | None, 
     fuses the projection itself and must not see the row count as a guard)."""
     if torch.compiler.is_compiling() or not plain_linear(layer, shape) or not no_global_hooks():
         return False
-    return matvec.helps(x, layer.weight)
+    return type(x) is torch.Tensor and no_active_modes() and matvec.helps(x, layer.weight)
 
 
 def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int | None, int]) -> torch.Tensor:
@@ -126,8 +167,8 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
         return None
     if (state["training"] and state["dropout"] > 0) or head_dim % 4:
         return None
-    if not type(module)._steps_as_written() or not state.keys().isdisjoint(STEPS):
-        return None  # a subclass's or the instance's own step
+    if not type(module)._steps_as_written() or not state.keys() <= _fresh_attention_state():
+        return None  # a subclass's step; the instance's own step or attribute (forward...)
     layers = state["_modules"]
     if not no_global_hooks():
         return None
@@ -168,7 +209,9 @@ def native_decode(
     position, no autocast, tracing or autograd recording; else None."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traces take the Python path
         return None
-    if x.shape[1] != 1 or x.dtype != torch.float32 or not x.is_cpu:
+    if x.shape[1] != 1 or x.dtype != torch.float32 or not x.is_cpu or type(x) is not torch.Tensor:
+        return None
+    if not no_active_modes():
         return None
     if torch.is_autocast_enabled("cpu") or type(cache) is not KVCache:
         return None
@@ -197,7 +240,7 @@ def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:
 def _own_rope_tables(rope: object, head_dim: int) -> tuple[torch.Tensor | None, ...]:
     """(cos, sin) of attnlab's RotaryEmbedding, of head_dim, with float32 contiguous CPU
     tables and no hooks; else (None, None)."""
-    if type(rope) is not RotaryEmbedding or any(rope.__dict__[name] for name in _HOOKS):
+    if not _pristine(rope, RotaryEmbedding, "_buffers", {"cos", "sin"}):
         return None, None
     buffers = rope.__dict__["_buffers"]
     cos, sin = buffers.get("cos"), buffers.get("sin")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnlab import debug
 from attnlab._validate import (
     check_float,
     check_int,
@@ -76,20 +77,25 @@ class RotaryEmbedding(nn.Module):
         """The sizes shown by repr(module)."""
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}, base={self.base}"
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Rotate each token of `x` by its position.
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """Rotate each token of `x` by its position. MultiHeadAttention calls its rope this
+        way (so the rope's hooks and a subclass's forward run on its Python path).
 
         Args:
             x: (b, heads, t, head_dim) floating-point, on the tables' device.
-            start: the position of x's first token (an int >= 0).
+            start: the position of x's first token (an int >= 0), or each token's position
+                as an integer tensor (t,) on the tables' device (a StaticKVCache's, read
+                on the device; its values are checked where attnlab.debug lets a check
+                read them: on the CPU by default).
 
         Returns:
-            x rotated, token j as position start + j, in x's dtype.
+            x rotated, token j as position start + j (or start[j]), in x's dtype.
 
         Raises:
-            TypeError: x is not a floating-point tensor, or start not an int.
+            TypeError: x is not a floating-point tensor, or start neither an int nor an
+                integer tensor.
             ValueError: x's shape or device does not fit the tables, or the positions
-                start .. start + t - 1 run past max_positions.
+                run past max_positions.
         """
         x = check_tensor(
             "x",
@@ -100,6 +106,8 @@ class RotaryEmbedding(nn.Module):
             last_dim_name="head_dim",
         )
         check_same_device(x=x, rotary_tables=self.cos)
+        if isinstance(start, torch.Tensor):
+            return self.rotate_at(x, self._checked_positions(start, x.shape[-2]))
         start = check_int("start", start, minimum=0)
         end = start + x.shape[-2]
         if end > self.max_positions:
@@ -109,6 +117,24 @@ class RotaryEmbedding(nn.Module):
                 f"{self.max_positions})"
             )
         return self.rotate(x, start)
+
+    def _checked_positions(self, positions: torch.Tensor, tokens: int) -> torch.Tensor:
+        if positions.dtype.is_floating_point or positions.dtype.is_complex:
+            raise TypeError(f"start as a tensor must hold integers, got {positions.dtype}")
+        if positions.shape != (tokens,):
+            raise ValueError(
+                f"start as a tensor must hold one position per token, ({tokens},); got "
+                f"{tuple(positions.shape)}"
+            )
+        check_same_device(start=positions, rotary_tables=self.cos)
+        if tokens and debug.reads_values(positions):
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= self.max_positions:
+                raise ValueError(
+                    f"start holds positions {low}..{high}, outside the rotary tables "
+                    f"(0..{self.max_positions - 1}, max_positions {self.max_positions})"
+                )
+        return positions
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """forward() for a caller that checked x and start itself (MultiHeadAttention checks

@@ -26,6 +26,7 @@ MultiHeadAttention refuses it where the call would record a graph.
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 
 from attnlab import kv_cache
 from attnlab._validate import check_device, check_int
@@ -80,6 +81,13 @@ class StaticKVCache:
         self.slots = torch.arange(max_tokens, device=device)  # (capacity,): each key's position
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's
         self.tokens = 0  # tokens written by eager calls: the host's count, for checks
+        for tensor in self._tensors():  # fixed addresses: a CUDA graph replays on them
+            torch._dynamo.mark_static_address(tensor)
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a step reads or writes in place."""
+        scales = () if self.key_scales is None else (self.key_scales, self.value_scales)
+        return (self.keys, self.values, *scales, self.slots, self.position)
 
     @property
     def dtype(self) -> torch.dtype:
