@@ -442,3 +442,14 @@ def test_an_attribute_of_its_own_on_the_module_or_a_projection_takes_the_python_
     assert plan.native_module(m) is not None
     m.note = 1
     assert plan.native_module(m) is None
+
+
+@pytest.mark.parametrize("name", ["qkv_proj", "out_proj"])
+def test_one_projection_in_another_dtype_is_a_named_type_error_on_every_path(name):
+    """Issue 37, case 12: torch's raw dtype RuntimeError from inside the Linear before."""
+    m = build(2, rope=True)
+    getattr(m, name).double()
+    match = rf"{name}'s weight is torch\.float64 but the module computes in torch\.float32"
+    if name == "qkv_proj":  # the first projection's dtype is the module's: x is refused
+        match = "float32"
+    assert_every_path_raises(m, TypeError, match)

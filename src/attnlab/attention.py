@@ -304,7 +304,7 @@ class MultiHeadAttention(nn.Module):
             out = self._native_step(x, cache)  # the plan's allow-list: layers of exact shapes
             if out is not None:
                 return out
-        self._check_layers(start, x.shape[1], context)  # what the Python path will call
+        self._check_layers(start, x, context)  # what the Python path will call
         self._check_finite("x", x)
         return self._execute(x, context, mask, need_weights, start, cache)
 
@@ -601,12 +601,16 @@ class MultiHeadAttention(nn.Module):
             )
         return y
 
-    def _check_layers(self, start: int, tokens: int, context: torch.Tensor | None) -> None:
+    def _check_layers(self, start: int, x: torch.Tensor, context: torch.Tensor | None) -> None:
         """The projections and rotary tables the call will use fit the module: an nn.Linear
         (or subclass) put in a projection's place maps the features the module needs, with a
-        bias of its output width; the rope tables cover the call's positions."""
+        bias of its output width, in x's dtype (autocast aside) and on its device; the rope
+        tables cover the call's positions."""
+        tokens = x.shape[1]
         for name, (width, features) in self._projections().items():
-            _check_projection(name, self._modules.get(name), width, features)
+            layer = self._modules.get(name)
+            _check_projection(name, layer, width, features)
+            _check_projection_dtype(name, layer, x)
         if self.rope is None or context is not None:
             return
         rope = self.rope
@@ -731,6 +735,23 @@ def _check_projection(name: str, layer: object, width: int | None, features: int
             f"{name} must be a Linear of weight ({out}, {features}) with no bias or a bias of "
             f"its output width; got weight {tuple(weight.shape)} and bias "
             f"{None if bias is None else tuple(bias.shape)}"
+        )
+
+
+def _check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
+    """A pristine nn.Linear's weight (plan.pristine_linear: nothing that could cast or move
+    its input, as accelerate's offloading hooks do) is in x's dtype (unless autocast casts)
+    and on its device: else F.linear's raw dtype or device RuntimeError would be the user's
+    message."""
+    if not plan.pristine_linear(layer) or not plan.no_active_modes():
+        return
+    weight = layer.weight
+    if weight.device != x.device:
+        raise ValueError(f"{name}'s weight is on {weight.device} but x is on {x.device}")
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name}'s weight is {weight.dtype} but the module computes in {x.dtype} (x's and "
+            f"its first projection's dtype): convert the whole module, e.g. module.to({x.dtype})"
         )
 
 

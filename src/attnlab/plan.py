@@ -104,6 +104,12 @@ def _pristine(layer: nn.Module, module_class: type, tensors: str, names: set[str
     return state[tensors].keys() == names
 
 
+def pristine_linear(layer: object) -> bool:
+    """True when `layer` is exactly an nn.Linear holding nothing a fresh one does not, with
+    no hook, and `weight` and `bias` registered parameters (of any shape, dtype or type)."""
+    return _pristine(layer, nn.Linear, "_parameters", {"weight", "bias"})
+
+
 def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
     """True when `layer` is a pristine nn.Linear (_pristine: not a subclass, wrapper or
     parametrized layer, no instance forward, no hook of its own) of weight `shape` (out,
@@ -111,7 +117,7 @@ def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
     subclass), the weight contiguous, no bias or one of its output width: what a fast path
     computes in its place is then what calling it gives, global hooks and modes aside
     (no_global_hooks, no_active_modes)."""
-    if not _pristine(layer, nn.Linear, "_parameters", {"weight", "bias"}):
+    if not pristine_linear(layer):
         return False
     parameters = layer.__dict__["_parameters"]
     weight, bias = parameters["weight"], parameters["bias"]
