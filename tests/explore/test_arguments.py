@@ -95,3 +95,68 @@ def test_a_group_checks_its_maps():
         Group("g", torch.zeros(1, 1, 2, 2), torch.ones(3, 3).bool(), labels, labels, ("l",))
     with pytest.raises(ValueError, match=r"layer_names \(2\) must name each of the 1 layers"):
         Group("g", torch.zeros(1, 1, 2, 2), torch.tensor(True), labels, labels, ("l", "m"))
+
+
+# --- a model by name: a local path or the local Hugging Face cache, never the hub ----------
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """transformers' loaders, each call recorded, refusing any call that may ask the hub
+    (the old code's explore("x") retried it 5 times, ~23 s offline, then raised OSError)."""
+    transformers = pytest.importorskip("transformers")
+    calls = []
+    for cls in (transformers.AutoModel, transformers.AutoTokenizer):
+        original = cls.from_pretrained.__func__
+
+        def spy(klass, name, *args, _original=original, **kwargs):
+            calls.append((klass.__name__, name, kwargs))
+            if not kwargs.get("local_files_only"):
+                raise AssertionError(f"{klass.__name__}.from_pretrained({name!r}) may ask the hub")
+            return _original(klass, name, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["x", "no-such-org/no-such-model", "./no/such/folder"])
+def test_a_name_that_is_neither_a_path_nor_cached_says_so_at_once(name, no_hub, tmp_path):
+    from attnlab.explore.hf import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError) as error:
+        attnlab.explore(name, "Your journey starts")
+    assert isinstance(error.value, ValueError) and isinstance(error.value, OSError)
+    message = str(error.value)
+    assert message.startswith(
+        f"source {name!r} is neither an existing path nor a model in the local Hugging Face cache"
+    ), message
+    assert no_hub and all(kwargs.get("local_files_only") for _, _, kwargs in no_hub)
+
+
+def test_a_path_that_holds_no_model_says_so(no_hub, tmp_path):
+    from attnlab.explore.hf import ModelNotFoundError
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelNotFoundError, match=r"is a path, but transformers loads no model"):
+        attnlab.explore(str(tmp_path), "Your journey starts")
+
+
+def test_a_model_in_the_local_cache_loads_by_name_without_the_hub(no_hub, tmp_path, monkeypatch):
+    """A hub name downloaded before (here a cache laid out by hand) loads by its name."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "models--local--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    models.tiny_gpt2().save_pretrained(snapshot)
+    models.tokenizer().save_pretrained(snapshot)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    result = attnlab.explore("local/tiny", "Your journey starts")
+    assert result.capture.groups[0].shape == (2, 3, 3, 3)
+    assert result.capture.groups[0].query_tokens == ("Your", "journey", "starts")  # its words
+    assert {(cls, name) for cls, name, _ in no_hub} == {
+        ("AutoModel", "local/tiny"),
+        ("AutoTokenizer", "local/tiny"),
+    }

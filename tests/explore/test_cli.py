@@ -98,7 +98,8 @@ def test_a_missing_transformers_model_is_a_usage_error(tmp_path, capsys):
             ["explore", "--hf", str(tmp_path / "nothing-here"), "-o", str(tmp_path / "x.html")]
         )
     assert exit_info.value.code == 2
-    assert f"--hf '{tmp_path / 'nothing-here'}'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--hf '{tmp_path / 'nothing-here'}' is neither an existing path nor a model" in err
 
 
 def test_a_model_raising_on_the_input_is_one_line_and_exit_1(tmp_path, capsys):

@@ -109,3 +109,81 @@ def test_notebook_outputs_are_fragments_with_their_own_ids():
     ids = [re.search(r'<div class="axp" id="([\w-]+)">', text).group(1) for text in (first, second)]
     assert ids[0] != ids[1]
     assert f'}})("{ids[0]}");' in first  # the script draws its own div only
+
+
+# --- what the page holds is bounded: cells cut before encoding, labels shortened ---------
+
+
+@pytest.fixture
+def encoded(monkeypatch):
+    """(function, cells) for every group the page encodes or summarises."""
+    from attnlab.explore import page
+
+    seen = []
+    for name in ("encode_group", "head_stats"):
+        original = getattr(page, name)
+
+        def spy(group, *args, _original=original, _name=name):
+            seen.append((_name, group.weights.numel()))
+            return _original(group, *args)
+
+        monkeypatch.setattr(page, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("max_cells", "shape", "said"),
+    [
+        (2 * 300 * 300, (1, 2, 300, 300), ["heads 2 to 3 cut (2 of 4 heads kept"]),
+        (
+            10_000,
+            (1, 1, 100, 100),
+            [
+                "heads 1 to 3 cut (1 of 4 heads kept",
+                "each map cut to its first 100 queries and 100",
+            ],
+        ),
+    ],
+    ids=["heads", "heads-and-tokens"],
+)
+def test_one_layer_past_max_cells_is_cut_before_encoding_and_statistics(
+    encoded, max_cells, shape, said
+):
+    """A single layer past max_cells was kept whole (a 10,000-token page took 120 s, most
+    of it encoding and summarising maps): now no more than max_cells cells are encoded."""
+    torch.manual_seed(0)
+    module = attnlab.MultiHeadAttention(8, 8, 512, 0.0, num_heads=4)
+    x = torch.randn(1, 300, 8, generator=torch.Generator().manual_seed(1))
+    result = attnlab.explore(module, x, max_tokens=300, max_cells=max_cells)
+    result.html()
+    (group,) = result.capture.groups
+    assert group.shape == shape
+    assert sorted(name for name, _ in encoded) == ["encode_group", "head_stats"]
+    assert all(cells <= max_cells for _, cells in encoded), encoded
+    assert [next(c for c in result.capture.cuts if s in c) for s in said]
+    with torch.no_grad():
+        _, weights = module(x, need_weights=True)  # (1, h, t, t)
+    _, heads, queries, keys = shape
+    expected = weights[0, :heads, :queries, :keys]  # the top-left block of the first heads
+    torch.testing.assert_close(group.weights[0], expected, rtol=0, atol=0)
+    stored, _ = decode_group(result.data["groups"][0], shape)
+    assert stored.shape == shape
+
+
+def test_a_huge_token_makes_no_huge_page():
+    """A 10-million-character token made a 20 MB page (its label, twice): labels are
+    shortened for display, the text kept for the tooltip up to a bound."""
+    from attnlab.explore.page import LABEL_SHOWN, LABEL_TIP
+
+    module = attnlab.book.CausalAttention(3, 2, 8, 0.0)
+    huge = "x" * 10_000_000
+    result = attnlab.explore(module, [huge, "journey", "y" * 30])
+    plain = attnlab.explore(module, ["a", "journey", "b"])
+    grown = len(result.html().encode()) - len(plain.html().encode())
+    assert grown < 4 * (LABEL_SHOWN + LABEL_TIP + 64), grown  # queries and keys, each
+    assert result.capture.groups[0].query_tokens[0] == huge  # the capture keeps the text
+    data = result.data["groups"][0]
+    assert data["queries"] == data["keys"] == ["x" * 23 + "\u2026", "journey", "y" * 23 + "\u2026"]
+    tips = {"0": "x" * 499 + "\u2026 (10,000,000 characters)", "2": "y" * 30}
+    assert data["query_tips"] == data["key_tips"] == tips
+    assert plain.data["groups"][0]["query_tips"] == {}

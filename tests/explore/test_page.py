@@ -202,3 +202,38 @@ def test_stated_precision_holds_at_8_and_16_bits(open_html, bits):
         assert_row_equal(shown_row(page, query), weights[0, 1, query], causal[query], tol)
     for query, key in [(0, 0), (11, 4), (7, 7)]:
         assert abs(float(shown_cell(page, query, key)) - weights[0, 1, query, key].item()) <= tol
+
+
+def test_a_huge_token_is_drawn_short_with_its_text_in_the_tooltip(open_html):
+    huge = "journey" * 1_000_000  # 7 million characters
+    result = attnlab.explore(book.CausalAttention(3, 2, 8, 0.0), ["Your", huge, "starts"])
+    opened = open_html(result.html())
+    page = opened.page
+    query = page.locator(f"{panel(0)} .axp-q[data-q='1']")
+    assert query.inner_text() == ("journey" * 4)[:23] + "\u2026"
+    title = query.get_attribute("title")
+    assert title.startswith("query 1: \u201cjourneyjourney") and "7,000,000 characters" in title
+    assert len(title) < 600
+    key = page.locator(f"{panel(0)} .axp-k[data-k='1']")
+    assert key.get_attribute("title").startswith("key 1: \u201cjourney")
+    assert page.locator(f"{panel(0)} .axp-q[data-q='0']").get_attribute("title") == "query 0"
+    assert opened.errors == []
+
+
+def test_a_page_cut_to_max_cells_draws_the_kept_maps(open_html):
+    module = attnlab.MultiHeadAttention(8, 8, 64, 0.0, num_heads=2)
+    x = torch.randn(1, 40, 8, generator=torch.Generator().manual_seed(2))
+    result = attnlab.explore(module, x, max_tokens=40, max_cells=20 * 20)
+    opened = open_html(result.html())
+    page = opened.page
+    assert page.locator(f"{panel(0)} .axp-q").count() == 20
+    assert page.locator("canvas.axp-thumb").count() == 1
+    notes = page.inner_text(".axp-notes")
+    assert "heads 1 to 1 cut" in notes and "each map cut to its first 20 queries and 20" in notes
+    with torch.no_grad():
+        _, weights = module(x, need_weights=True)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()
+    tol = tolerance(result.data, 0, 0, 0)
+    for query in (0, 7, 19):
+        assert_row_equal(shown_row(page, query), weights[0, 0, query, :20], causal[query], tol)
+    assert opened.errors == []

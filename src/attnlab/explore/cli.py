@@ -45,7 +45,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="constructor arguments: an object for keywords or an array for positional ones",
     )
     explore.add_argument(
-        "--hf", metavar="NAME", help="a transformers model's name or local path (AutoModel)"
+        "--hf",
+        metavar="NAME",
+        help="a transformers model's local path, or the name of one in the local Hugging Face "
+        "cache (AutoModel; nothing is downloaded)",
     )
     explore.add_argument(
         "--text",
@@ -74,8 +77,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         type=positive_int,
         default=12 * 12 * 256 * 256,
         metavar="N",
-        help="most map cells in the page; past it groups keep their first layers "
-        "(default: %(default)s, 12 layers x 12 heads x 256 x 256)",
+        help="most map cells in the page; past it groups keep their first layers, then "
+        "heads, then queries and keys (default: %(default)s, 12 layers x 12 heads x 256 x 256)",
     )
     explore.add_argument(
         "--precision",
@@ -108,12 +111,16 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"-o {args.out!r} is a folder; give a file name such as explore.html")
     precision = args.precision if args.precision == "auto" else int(args.precision)
     options = {"max_tokens": args.max_tokens, "max_cells": args.max_cells, "precision": precision}
+    from attnlab.explore.hf import ModelNotFoundError
+
     try:
         source, inputs, extra = _source(args, parser)
         result = explore(source, inputs, **extra, **options)
+    except ModelNotFoundError as error:  # said at once: the hub is never asked
+        parser.error(f"--hf {error.name!r} {error.reason}")
     except (LoadError, ValueError, TypeError, ImportError) as error:
         parser.error(str(error))
-    except OSError as error:  # transformers found no such model
+    except OSError as error:  # a cached model transformers could not read
         parser.error(f"--hf {args.hf!r}: {error}")
     except (RuntimeError, IndexError) as error:  # the model's own forward on this input
         print(f"error: the model raised {describe(error)} on this input", file=sys.stderr)

@@ -103,6 +103,12 @@
     ctx.putImageData(img, 0, 0);
   }
 
+  // a shortened token's text for its tooltip (the page draws at most 24 characters)
+  function tipOf(tips, i) {
+    const text = tips && tips[String(i)];
+    return text === undefined ? "" : ": \u201c" + text + "\u201d";
+  }
+
   function mapName(gi, l, h) {
     const g = groups[gi];
     return g.name + " \u00b7 " + g.layers[l] + " \u00b7 head " + h;
@@ -295,7 +301,7 @@
       const d = el("div", "axp-tok axp-q", t);
       d.style.top = (i * ROW_H) + "px";
       d.dataset.q = i;
-      d.title = "query " + i;
+      d.title = "query " + i + tipOf(g.query_tips, i);
       d.addEventListener("mouseenter", function () { if (state.pinned[view.p] === null) focusRow(view, i); });
       d.addEventListener("click", function () {
         state.pinned[view.p] = state.pinned[view.p] === i ? null : i;
@@ -308,7 +314,7 @@
       const d = el("div", "axp-tok axp-k", t);
       d.style.top = (j * ROW_H) + "px";
       d.dataset.k = j;
-      d.title = "key " + j;
+      d.title = "key " + j + tipOf(g.key_tips, j);
       view.hv.appendChild(d);
       view.kTok.push(d);
     });

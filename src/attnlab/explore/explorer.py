@@ -1,11 +1,13 @@
 """`explore(source, inputs)`: the public entry point. Its arguments are checked at the door,
 then the source is captured (chapter.py, modules.py, hf.py) and cut to the page's limits:
 inputs past `max_tokens` are cut before the model runs; groups past `max_cells` keep their
-first layers. Every cut is written at the top of the page.
+first layers (then heads, then queries and keys), before anything is encoded or summarised.
+Every cut is written at the top of the page.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -47,7 +49,8 @@ def explore(
             causal mask, softmax, dropout, each head of the multi-head layer); an
             nn.Module (an attnlab layer or a model holding them, the book's classes, any
             attention module: see attnlab.explore.modules); a transformers model; or a
-            transformers model's name or path (AutoModel and AutoTokenizer load it).
+            transformers model's local path, or the name of one in the local Hugging Face
+            cache (AutoModel and AutoTokenizer load it; nothing is downloaded).
         inputs: for a module: a text (split on whitespace; default the chapter's
             sentence), a list of token strings, embeddings (tokens, d) / (1, tokens, d) or
             token ids (tokens,) / (1, tokens). For a transformers model: a text (with
@@ -61,7 +64,8 @@ def explore(
         title: the page's title (default: the source and its input).
         max_tokens: inputs are cut to their first `max_tokens` tokens before running.
         max_cells: the most map cells the page holds; past it each group keeps its first
-            layers (9.4 M: 12 layers x 12 heads x 256 x 256).
+            layers, then heads, then queries and keys (9.4 M: 12 layers x 12 heads x 256 x
+            256).
         precision: "auto", 8 or 16 bits per stored value ("auto": 16 up to 4 M cells).
 
     Returns:
@@ -71,6 +75,9 @@ def explore(
         TypeError: a source or input of an unsupported kind, or an option of the wrong type.
         ValueError: an option out of range, inputs that do not fit the source, or a module
             in which no attention weights were seen.
+        attnlab.explore.hf.ModelNotFoundError: a source name that is neither an existing
+            path nor a model in the local Hugging Face cache (a ValueError and an OSError),
+            said at once.
     """
     max_tokens = check_int("max_tokens", max_tokens)
     max_cells = check_int("max_cells", max_cells)
@@ -213,7 +220,10 @@ def _decoder(model, ids, decoder_inputs, tokenizer, max_tokens, cuts):
 
 
 def _fit(capture: Capture, max_cells: int) -> Capture:
-    """Each group cut to its first layers so that the page holds at most max_cells cells."""
+    """The capture cut so that the page holds at most max_cells cells (at least one per
+    group), before anything is encoded or summarised: each group keeps its share of the
+    cells, taking its first layers; where one layer is past its share, its first heads;
+    where one head is, its first queries and keys."""
     total = sum(g.weights.numel() for g in capture.groups)
     if total <= max_cells:
         return capture
@@ -221,23 +231,56 @@ def _fit(capture: Capture, max_cells: int) -> Capture:
     groups: list[Group] = []
     cuts = list(capture.cuts)
     for group in capture.groups:
-        layers = group.shape[0]
-        keep = max(1, int(layers * share))
-        if keep < layers:
-            cuts.append(
-                f"{group.name}: layers {group.layer_names[keep]} to {group.layer_names[-1]} cut "
-                f"({keep} of {layers} layers kept: the page holds at most {max_cells:,} cells; "
-                "raise max_cells or cut the input)"
-            )
-            allowed = group.full_mask()[:keep]
-            group = replace(
-                group,
-                weights=group.weights[:keep],
-                allowed=allowed,
-                layer_names=group.layer_names[:keep],
-            )
+        group, said = _cut_group(group, max(1, int(group.weights.numel() * share)), max_cells)
         groups.append(group)
+        cuts += said
     return replace(capture, groups=tuple(groups), cuts=tuple(cuts))
+
+
+def _cut_group(group: Group, budget: int, max_cells: int) -> tuple[Group, list[str]]:
+    """`group` cut to at most `budget` cells (its first layers, then heads, then tokens),
+    with what was cut in words. Slices are views: nothing of the cut part is copied."""
+    layers, heads, queries, keys = group.shape
+    why = f"the page holds at most {max_cells:,} cells; raise max_cells or cut the input"
+    said = []
+    weights, allowed = group.weights, group.full_mask()  # (l, h, q, k) each
+    layer_names, query_tokens, key_tokens = group.layer_names, group.query_tokens, group.key_tokens
+    keep = min(layers, max(1, budget // (heads * queries * keys)))
+    if keep < layers:
+        said.append(
+            f"{group.name}: layers {layer_names[keep]} to {layer_names[-1]} cut ({keep} of "
+            f"{layers} layers kept: {why})"
+        )
+        weights, allowed, layer_names = weights[:keep], allowed[:keep], layer_names[:keep]
+    if keep * heads * queries * keys > budget:  # one layer is past the share
+        kept_heads = min(heads, max(1, budget // (queries * keys)))
+        if kept_heads < heads:
+            said.append(
+                f"{group.name}: heads {kept_heads} to {heads - 1} cut ({kept_heads} of {heads} "
+                f"heads kept: {why})"
+            )
+            weights, allowed = weights[:, :kept_heads], allowed[:, :kept_heads]
+        if queries * keys > budget:  # one map is past it: its first queries and keys
+            scale = math.sqrt(budget / (queries * keys))
+            kept_q = max(1, min(queries, int(queries * scale)))
+            kept_k = max(1, min(keys, int(keys * scale)))
+            said.append(
+                f"{group.name}: each map cut to its first {kept_q} queries and {kept_k} keys "
+                f"(of {queries} x {keys}; a row shows only the kept keys' weights: {why})"
+            )
+            weights, allowed = weights[..., :kept_q, :kept_k], allowed[..., :kept_q, :kept_k]
+            query_tokens, key_tokens = query_tokens[:kept_q], key_tokens[:kept_k]
+    if not said:
+        return group, said
+    cut = replace(
+        group,
+        weights=weights,
+        allowed=allowed,
+        layer_names=layer_names,
+        query_tokens=query_tokens,
+        key_tokens=key_tokens,
+    )
+    return cut, said
 
 
 def _token_cut(name: str, count: int, kept: int) -> str:

@@ -18,6 +18,7 @@ Shapes: attentions (batch, heads, queries, keys) per layer; the first sequence i
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -34,12 +35,35 @@ def is_hf_model(model: object) -> bool:
     )
 
 
-def load(name: str) -> tuple[nn.Module, object | None]:
-    """A model (AutoModel) and its tokenizer (None if it has none) by name or path.
+class ModelNotFoundError(ValueError, OSError):
+    """A model's name or path that names no model here: neither an existing path nor a
+    model in the local Hugging Face cache (nothing is downloaded: offline, the hub's
+    client would retry for half a minute before saying so). A ValueError, as attnlab's
+    argument errors are, and an OSError, as transformers' "no such model" is.
+
+    Attributes:
+        name: the name or path given.
+        reason: what is wrong with it, and what to do.
+    """
+
+    def __init__(self, argument: str, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+        super().__init__(f"{argument} {name!r} {reason}")
+
+
+def load(name: str, argument: str = "source") -> tuple[nn.Module, object | None]:
+    """A model (AutoModel) and its tokenizer (None if it has none) from a local path or a
+    model already in the local Hugging Face cache; the hub is never asked.
+
+    Args:
+        name: a folder written by save_pretrained, or a hub name such as "gpt2" that was
+            downloaded before.
+        argument: the argument's name in messages.
 
     Raises:
         ImportError: transformers is not installed.
-        OSError: no such model (transformers' own message).
+        ModelNotFoundError: `name` is neither an existing path nor a cached model, or a
+            path transformers loads no model from (a ValueError and an OSError).
     """
     try:
         from transformers import AutoModel, AutoTokenizer
@@ -48,12 +72,29 @@ def load(name: str) -> tuple[nn.Module, object | None]:
             f"a model by name ({name!r}) needs transformers: pip install 'attnlab[hf]'"
         ) from error
 
-    model = AutoModel.from_pretrained(name)
+    is_path = os.path.exists(os.path.expanduser(name))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModel.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ModelNotFoundError(argument, name, _not_loaded(name, is_path, error)) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError, KeyError):
         tokenizer = None
     return model, tokenizer if _has_vocabulary(tokenizer) else None
+
+
+def _not_loaded(name: str, is_path: bool, error: Exception) -> str:
+    """Why `name` loaded no model, for ModelNotFoundError."""
+    if is_path:
+        first = " ".join(str(error).split())[:300]
+        return f"is a path, but transformers loads no model from it: {first}"
+    return (
+        "is neither an existing path nor a model in the local Hugging Face cache (the hub "
+        f"is not asked): check the path, or download the model first (`hf download {name}`,"
+        " or AutoModel.from_pretrained with a network) and pass its name, its folder or "
+        "the loaded model"
+    )
 
 
 def _has_vocabulary(tokenizer: object | None) -> bool:

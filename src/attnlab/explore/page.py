@@ -17,6 +17,9 @@ from attnlab.explore.data import Capture
 from attnlab.explore.encoding import encode_group
 from attnlab.explore.stats import head_stats
 
+LABEL_SHOWN = 24  # characters of a token's label drawn in the page (the head view fits ~15)
+LABEL_TIP = 500  # characters of a shortened label kept for its tooltip
+
 
 def payload(capture: Capture, bits: int) -> dict:
     """The data the page reads: title, notes, cuts and each group's stored maps.
@@ -26,18 +29,25 @@ def payload(capture: Capture, bits: int) -> dict:
         bits: 8 or 16 bits per stored value.
 
     Returns:
-        A JSON-ready dict (see encoding.encode_group for each group's stored maps).
+        A JSON-ready dict (see encoding.encode_group for each group's stored maps). Token
+        labels longer than LABEL_SHOWN characters are shortened ("queries", "keys"), their
+        text kept up to LABEL_TIP characters for the tooltip ("query_tips", "key_tips":
+        {index: text}), so that a huge token makes no huge page.
     """
     groups = []
     for group in capture.groups:
         heads = group.shape[1]
+        queries, query_tips = shown_labels(group.query_tokens)
+        keys, key_tips = shown_labels(group.key_tokens)
         groups.append(
             {
                 "name": group.name,
                 "layers": list(group.layer_names),
                 "heads": heads,
-                "queries": list(group.query_tokens),
-                "keys": list(group.key_tokens),
+                "queries": queries,
+                "keys": keys,
+                "query_tips": query_tips,
+                "key_tips": key_tips,
                 "scores": group.scores,
                 "stats": head_stats(group),
                 **encode_group(group, bits),
@@ -49,6 +59,31 @@ def payload(capture: Capture, bits: int) -> dict:
         "cuts": list(capture.cuts),
         "groups": groups,
     }
+
+
+def shown_labels(labels: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """Labels as the page draws them: each at most LABEL_SHOWN characters (cut with an
+    ellipsis), and {index: its text} for those cut, for the tooltip (past LABEL_TIP
+    characters, cut too, with its length).
+
+    Args:
+        labels: the tokens' full texts.
+
+    Returns:
+        (shown labels, tooltips of the shortened ones keyed by their index as a string).
+    """
+    shown, tips = [], {}
+    for index, label in enumerate(labels):
+        if len(label) <= LABEL_SHOWN:
+            shown.append(label)
+            continue
+        shown.append(label[: LABEL_SHOWN - 1] + "\u2026")
+        tips[str(index)] = (
+            label
+            if len(label) <= LABEL_TIP
+            else f"{label[: LABEL_TIP - 1]}\u2026 ({len(label):,} characters)"
+        )
+    return shown, tips
 
 
 def fragment(data: dict) -> str:
