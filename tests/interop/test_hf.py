@@ -3,6 +3,8 @@
 output_attentions), and weight conversion with GPT2Attention and Llama attention layers.
 Small configs with random weights: nothing is downloaded."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -397,6 +399,35 @@ def test_attnlab_refuses_exactly_the_models_that_compute_attention_outside_the_i
         model = _build(model_type, "attnlab")
         assert hf.bypassing_classes(model) == [] and _implementations(model) == {"attnlab"}
         assert _attnlab_calls(model) > 0
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "xglm", "falcon"])
+def test_a_refusal_suggests_only_implementations_the_model_supports(model_type):
+    """Bloom and XGLM declare no SDPA support: 'eager' alone is suggested; Falcon has it."""
+    with pytest.raises(ValueError, match="use 'eager'") as refused:
+        _build(model_type, "attnlab")
+    model_class = type(_build(model_type, "eager"))
+    supports_sdpa = getattr(model_class, "_supports_sdpa", True) is not False
+    assert ("'sdpa'" in str(refused.value)) is supports_sdpa
+    assert model_type == "falcon" or not supports_sdpa  # the test covers both kinds
+
+
+def test_output_attentions_with_sinks_notes_the_convention_once_per_class():
+    class Layer(torch.nn.Module):
+        is_causal = True
+        training = False
+
+    q = torch.randn(1, 4, 5, 8)
+    sinks = torch.zeros(4)
+    hf._NOTED_SINK_WEIGHTS.discard(Layer)
+    with pytest.warns(UserWarning, match="sink's share out.*GraniteSWA"):
+        _, weights = hf.attention_forward(
+            Layer(), q, q, q, None, s_aux=sinks, output_attentions=True
+        )
+    assert (weights.sum(-1) < 1).all()  # attnlab's convention, as the note says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call notes nothing
+        hf.attention_forward(Layer(), q, q, q, None, s_aux=sinks, output_attentions=True)
 
 
 def test_the_probe_sees_a_bypassing_model_and_one_on_the_interface():

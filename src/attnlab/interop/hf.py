@@ -31,6 +31,7 @@ import functools
 import inspect
 import re
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -148,6 +149,8 @@ def attention_forward(
     if reached < tk:
         key, value = key.narrow(2, 0, reached), value.narrow(2, 0, reached)
     need_weights = arguments.pop("need_weights")
+    if need_weights and arguments["sinks"] is not None:
+        _note_sink_weights(module)
     result = functional.attention(
         query,
         key,
@@ -386,8 +389,36 @@ def _refuse(model_class: type, classes: tuple[str, ...] | list[str]) -> None:
         raise ValueError(
             f"{model_class.__name__} computes attention in {', '.join(classes)} without "
             f"transformers' attention interface, so attn_implementation='attnlab' would not "
-            f"run attnlab there and its masks would not fit: use 'eager' or 'sdpa' for it"
+            f"run attnlab there and its masks would not fit: use {_supported(model_class)} "
+            f"for it"
         )
+
+
+def _supported(model_class: type) -> str:
+    """The implementations to suggest instead: 'eager', and 'sdpa' where the model does
+    not declare it unsupported (Bloom, GPT-Neo, MPT and XGLM do)."""
+    if getattr(model_class, "_supports_sdpa", True) is False:
+        return "'eager'"
+    return "'eager' or 'sdpa'"
+
+
+_NOTED_SINK_WEIGHTS: set[type] = set()
+
+
+def _note_sink_weights(module: nn.Module) -> None:
+    """Once per attention class: attnlab's weights with sinks leave the sink's share out
+    (each row sums to 1 minus it, as gpt-oss's eager returns them), while some models'
+    eager return the weights before the sink (GraniteSWA's rows sum to 1)."""
+    if type(module) in _NOTED_SINK_WEIGHTS:
+        return
+    _NOTED_SINK_WEIGHTS.add(type(module))
+    warnings.warn(
+        f"{_describe(module)}: attnlab's output_attentions with attention sinks leave the "
+        f"sink's share out, so each row sums to less than 1 (gpt-oss's eager convention); "
+        f"a model whose eager returns the weights before the sink (GraniteSWA) sums each "
+        f"row to 1. The outputs are the same either way.",
+        stacklevel=2,
+    )
 
 
 def _refuse_without_sdpa(model_class: type) -> None:
