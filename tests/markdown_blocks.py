@@ -1,4 +1,5 @@
-"""The code blocks of a Markdown page (the README, the docs site), and how the tests run them."""
+"""The code blocks, list items and snippet includes of a Markdown page (the README, the docs
+site), and how the tests run the code."""
 
 import re
 
@@ -27,3 +28,48 @@ def run_python(block: str, filename: str) -> None:
         if error.name not in OPTIONAL:
             raise
         pytest.skip(f"needs the optional extra that provides {error.name}")
+
+
+def _outside_fences(text: str) -> list[tuple[int, str]]:
+    """(line number from 1, line) for each line of `text` that is not in a fenced block
+    (the fence lines themselves left out)."""
+    lines, fence = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        opening = re.match(r"\s*(`{3,}|~{3,})", line)
+        if fence is None and opening:
+            fence = opening.group(1)
+        elif fence is not None:
+            if line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+                fence = None
+        else:
+            lines.append((number, line))
+    return lines
+
+
+LIST_ITEM = re.compile(r"(?:[-*]|\d+\.) ")
+
+
+def list_items(text: str) -> list[int]:
+    """The line numbers of the list items that start at the left margin (a top-level list's
+    items), outside code fences: each should become an <li> on the site."""
+    return [number for number, line in _outside_fences(text) if LIST_ITEM.match(line)]
+
+
+def snippets(text: str) -> list[tuple[str, str]]:
+    """(path, section) of each pymdownx.snippets include `--8<-- "path:section"` of `text`
+    (section "" when the whole file is included)."""
+    found = re.findall(r'^\s*--8<-- "([^":]+)(?::(\w+))?"\s*$', text, flags=re.MULTILINE)
+    return [(path, section) for path, section in found]
+
+
+def section(source: str, name: str) -> str:
+    """The lines of `source` between its `# --8<-- [start:name]` and `# --8<-- [end:name]`
+    lines, as pymdownx.snippets includes them."""
+    found = re.search(
+        rf"^[^\n]*# --8<-- \[start:{name}\][^\n]*\n(.*?)^[^\n]*# --8<-- \[end:{name}\]",
+        source,
+        flags=re.MULTILINE | re.DOTALL,
+    )
+    if found is None:
+        raise ValueError(f"no section {name!r} (no start and end markers)")
+    return found.group(1)

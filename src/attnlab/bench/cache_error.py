@@ -11,6 +11,8 @@ rest (the massive activations of LLMs), which set each token's int8 scale.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 from torch import nn
 
@@ -140,8 +142,14 @@ def _generate(model: TinyLM, ids: torch.Tensor, dtype: torch.dtype, steps: int) 
     return torch.cat(out, dim=1)  # (b, steps)
 
 
-def main() -> None:
-    """Print both tables (markdown)."""
+def main(argv: list[str] | None = None) -> None:
+    """Print both tables (markdown). Takes no arguments but --help (argv: sys.argv[1:] by
+    default); any other is refused before anything runs."""
+    argparse.ArgumentParser(
+        prog="python -m attnlab.bench.cache_error",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     print("| kv heads | inputs | cache | max abs error | mean abs error | mean abs output |")
     print("|---:|---|---|---:|---:|---:|")
     for r in attention_errors():
