@@ -547,3 +547,32 @@ def test_the_kernel_s_python_faces_unpack_no_generator(module):
     expression: Dynamo of torch 2.14 and 2.15 fails on that inside the autograd.Function
     ("generator already executing"), so the compiled flash backend failed with grad."""
     assert _unpacked_generators(Path(module.__file__)) == []
+
+
+@pytest.mark.parametrize(
+    ("on_meta", "named"),
+    [
+        ("k", "k is on meta but q is on cpu"),
+        ("q", "k is on cpu but q is on meta"),
+        ("bias", "mask is on meta but q is on cpu"),
+        ("ranges", "key_start is on meta but q is on cpu"),
+    ],
+)
+def test_the_python_face_refuses_tensors_on_two_devices(on_meta, named):
+    """flash_cpu.attention with a meta tensor among CPU ones (the op's fake kernel would
+    answer it, once with uninitialised or meta outputs) is a RuntimeError naming the
+    arguments; all on meta, it states the output's shape."""
+    _kernel_or_skip()
+    q, k, v = _qkv(2, 2, 2, 8, 8, 4, seed=41)
+    bias = torch.zeros(1, 1, 8, 8)
+    ranges = (torch.tensor([0, 2]), torch.tensor([8, 8]))
+    call = {"q": q, "k": k, "v": v, "bias": bias, "ranges": ranges}
+    moved = torch.utils._pytree.tree_map(lambda t: t.to("meta"), call[on_meta])
+    call[on_meta] = moved
+    with pytest.raises(RuntimeError, match=f"^causal_flash_forward: {named}"):
+        flash_cpu.attention(
+            call["q"], call["k"], call["v"], call["bias"], 0.5, True, key_ranges=call["ranges"]
+        )
+    meta = torch.utils._pytree.tree_map(lambda t: t.to("meta"), (q, k, v, bias, ranges))
+    out = flash_cpu.attention(*meta[:4], 0.5, True, key_ranges=meta[4])
+    assert out.device.type == "meta" and out.shape == q.shape

@@ -88,10 +88,61 @@ def _cache(*shape, dtype=torch.float32):
 
 
 NO_ROPE = {"cos": torch.empty(0), "sin": torch.empty(0)}
+CACHE = (B, KV_HEADS, HD * CAP)  # keys_t, values_t
+SCALES = (B, KV_HEADS, CAP)  # an int8 cache's scales
 
 
-CACHE = (B, KV_HEADS, HD * CAP)
+def _meta(value):
+    """`value` on the meta device if it is a tensor."""
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def _sharing(buffer: str, other: str, shape: tuple[int, ...], args: dict) -> dict:
+    """`other` (of `shape`) made a view of the first elements of the cache buffer `buffer`."""
+    size = math.prod(shape)
+    return {other: args[buffer].view(-1)[:size].view(shape)}
+
+
+def _overlapping_cache() -> dict:
+    """keys_t and values_t, each of the cache's shape, overlapping by half of each."""
+    size = math.prod(CACHE)
+    storage = torch.zeros(size + size // 2)
+    return {"keys_t": storage[:size].view(CACHE), "values_t": storage[size // 2 :].view(CACHE)}
+
+
+def _halves_of_one_buffer() -> dict:
+    """keys_t and values_t, the two halves of one buffer: apart, valid."""
+    size = math.prod(CACHE)
+    storage = torch.zeros(2 * size)
+    return {"keys_t": storage[:size].view(CACHE), "values_t": storage[size:].view(CACHE)}
+
+
+def _int8_scales_aliased(args: dict) -> dict:
+    int8 = decode_args(torch.int8)
+    return {**int8, "value_scales": int8["key_scales"]}
+
+
+def _scales_inside_keys() -> dict:
+    """An int8 cache whose key scales (float32) are bytes of its keys_t."""
+    int8 = decode_args(torch.int8)
+    scale_bytes = 4 * math.prod(SCALES)
+    inside = int8["keys_t"].view(-1)[:scale_bytes].view(torch.float32).view(SCALES)
+    return {**int8, "key_scales": inside}
+
+
 I8 = torch.int8
+# a scale finite as a double and infinite in float32, which the kernels compute in; and the
+# largest float32, the largest scale they take
+FLOAT32_MAX = torch.finfo(torch.float32).max
+SCALE_PAST_FLOAT32 = [
+    ("scale_past_float32", "scale", lambda a: {"scale": 1e39}),
+    (
+        "scale_just_past_float32",
+        "scale",
+        lambda a: {"scale": math.nextafter(FLOAT32_MAX, math.inf)},
+    ),
+    ("valid_scale_float32_max", None, lambda a: {"scale": FLOAT32_MAX}),
+]
 
 # (case, the argument its error must name, the arguments it changes: a -> {name: value}).
 # A case named "valid..." must return a result.
@@ -216,6 +267,28 @@ DECODE_CASES = [
     ("scale_minus_inf", "scale", lambda a: {"scale": -math.inf}),
     ("scale_0", "scale", lambda a: {"scale": 0.0}),
     ("scale_negative", "scale", lambda a: {"scale": -0.5}),
+    *SCALE_PAST_FLOAT32,
+    # devices: a meta tensor among CPU ones (the dispatcher sends the call to the fake kernel)
+    ("x_on_meta", "x", lambda a: {"x": a["x"].to("meta")}),
+    ("w_out_on_meta", "w_out", lambda a: {"w_out": a["w_out"].to("meta")}),
+    ("keys_t_on_meta", "keys_t", lambda a: {"keys_t": a["keys_t"].to("meta")}),
+    ("b_qkv_empty_on_meta", "b_qkv", lambda a: {"b_qkv": torch.empty(0, device="meta")}),
+    (
+        "int8_value_scales_on_meta",
+        "value_scales",
+        _int8(value_scales=torch.zeros(SCALES, device="meta")),
+    ),
+    ("all_but_x_on_meta", "x", lambda a: {k: _meta(v) for k, v in a.items() if k != "x"}),
+    # memory the op writes shared with another argument
+    ("values_t_is_keys_t", "values_t", lambda a: {"values_t": a["keys_t"]}),
+    ("values_t_overlaps_keys_t", "values_t", lambda a: _overlapping_cache()),
+    ("keys_t_shares_w_out", "w_out", lambda a: _sharing("keys_t", "w_out", (D_OUT, D_OUT), a)),
+    ("values_t_shares_x", "x", lambda a: _sharing("values_t", "x", (B, 1, D_IN), a)),
+    ("keys_t_shares_cos", "cos", lambda a: _sharing("keys_t", "cos", (ROWS, HD), a)),
+    ("int8_value_scales_is_key_scales", "value_scales", _int8_scales_aliased),
+    ("int8_key_scales_inside_keys_t", "key_scales", lambda a: _scales_inside_keys()),
+    ("valid_inputs_share_memory", None, lambda a: {"sin": a["cos"], "b_out": a["b_qkv"][:D_OUT]}),
+    ("valid_buffers_halves_of_one", None, lambda a: _halves_of_one_buffer()),
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +398,20 @@ FLASH_CASES = [
     ("scale_minus_inf", "scale", lambda a: {"scale": -math.inf}),
     ("scale_0", "scale", lambda a: {"scale": 0.0}),
     ("scale_negative", "scale", lambda a: {"scale": -0.5}),
+    *SCALE_PAST_FLOAT32,
+    # devices: a meta tensor among CPU ones (the dispatcher sends the call to the fake kernel)
+    ("k_on_meta", "k", lambda a: {"k": a["k"].to("meta")}),
+    ("q_on_meta", "q", lambda a: {"q": a["q"].to("meta")}),
+    ("mask_on_meta", "mask", lambda a: {"mask": torch.zeros(1, 1, TQ, TK, device="meta")}),
+    ("mask_empty_on_meta", "mask", lambda a: {"mask": torch.empty(0, device="meta")}),
+    (
+        "key_ranges_on_meta",
+        "key_start",
+        lambda a: {k: _meta(v) for k, v in _ranges([0, 3], [TK, 10]).items()},
+    ),
+    ("all_but_q_on_meta", "q", lambda a: {k: _meta(v) for k, v in a.items() if k != "q"}),
+    ("valid_all_on_meta", None, lambda a: {k: _meta(v) for k, v in a.items()}),
+    ("valid_v_is_k", None, lambda a: {"v": a["k"]}),
     # block sizes
     ("q_split_0", "q_split", lambda a: {"q_split": 0}),
     ("q_split_negative", "q_split", lambda a: {"q_split": -128}),
@@ -460,6 +547,10 @@ def _shapes(result) -> list[list[int]]:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    if a.device.type == "meta":  # no values to compare
+        return a.shape == b.shape and a.dtype == b.dtype
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
@@ -629,6 +720,44 @@ def test_fake_kernel_matches_the_real_outputs(op_name):
     assert [(t.shape, t.stride(), t.dtype) for t in fake] == [
         (t.shape, t.stride(), t.dtype) for t in real
     ]
+
+
+def test_the_fake_decode_step_refuses_what_it_writes_shared_with_another_argument():
+    """All on meta (the fake kernel's call): the buffers the op writes are refused where
+    they share memory with another argument, as the real op refuses them; apart, valid."""
+    op, args = _op_and_args("decode_step")
+    meta = {k: _meta(v) for k, v in args.items()}
+    assert op(**meta).shape == (B, 1, D_OUT)
+    shared = [
+        ({"values_t": meta["keys_t"]}, "keys_t and values_t"),
+        (_sharing("keys_t", "w_out", (D_OUT, D_OUT), meta), "keys_t and w_out"),
+        (_sharing("values_t", "x", (B, 1, D_IN), meta), "values_t and x"),
+    ]
+    int8 = {k: _meta(v) for k, v in decode_args(torch.int8).items()}
+    shared.append(({**int8, "value_scales": int8["key_scales"]}, "key_scales and value_scales"))
+    for change, names in shared:
+        with pytest.raises(RuntimeError, match=f"^decode_step: {names} overlap in memory"):
+            op(**{**meta, **change})
+    storage = torch.empty(2 * math.prod(CACHE), device="meta")
+    halves = {"keys_t": storage[: math.prod(CACHE)].view(CACHE),
+              "values_t": storage[math.prod(CACHE) :].view(CACHE)}  # fmt: skip
+    assert op(**{**meta, **halves}).shape == (B, 1, D_OUT)
+
+
+@pytest.mark.parametrize("op_name", REGISTERED)
+def test_the_fake_kernels_refuse_tensors_on_two_devices_under_fake_tensor_mode(op_name):
+    """Under FakeTensorMode (torch.compile's tracing), a CPU tensor among meta ones is
+    refused by the fake kernel, naming it, as the real op would refuse it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, args = _op_and_args(op_name)
+    first = next(name for name, value in args.items() if isinstance(value, torch.Tensor))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {k: mode.from_tensor(_meta(v)) if isinstance(v, torch.Tensor) else v
+                for k, v in args.items()}  # fmt: skip
+        fake[first] = mode.from_tensor(args[first])  # on the CPU
+        with pytest.raises(RuntimeError, match=rf"^{op_name}: .*\b{first} is on cpu"):
+            op(**fake)
 
 
 def test_compile_traces_both_ops_in_one_graph():

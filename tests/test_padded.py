@@ -126,3 +126,13 @@ def test_padded_attention_in_a_fresh_process_loads_the_kernel_itself():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["equal"]
+
+
+def test_padded_attention_refuses_key_ranges_on_another_device():
+    """Key ranges on meta for CPU queries: a RuntimeError naming them (the op's fake kernel
+    once answered the call with uninitialised outputs)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = [torch.randn(2, 2, 16, 8, generator=g) for _ in range(3)]
+    ranges = (torch.tensor([0, 4], device="meta"), torch.tensor([16, 16], device="meta"))
+    with pytest.raises(RuntimeError, match="key_start is on meta but q is on cpu"):
+        padded.attention(q, k, v, ranges, 8**-0.5)

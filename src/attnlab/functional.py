@@ -93,7 +93,7 @@ def attention(
     need_weights = check_bool("need_weights", need_weights)
     dropout_p = check_dropout("dropout_p", dropout_p)  # checked even when it will not apply
     dropout_p = dropout_p if check_bool("training", training) else 0.0
-    scale = _check_scale(scale, q.shape[-1])
+    scale = _check_scale(scale, q.shape[-1], q.dtype)
     mask = check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     sinks = check_sinks(sinks, q)
     softcap = None if softcap is None else check_float("softcap", softcap, greater_than=0.0)
@@ -402,14 +402,28 @@ def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
     return check_finite("sinks", sinks)
 
 
-def _check_scale(scale: object, head_dim: int) -> float:
+def _check_scale(scale: object, head_dim: int, dtype: torch.dtype) -> float:
+    """The scores' scale: 1 / sqrt(head_dim) for None, else `scale` as a float, positive and
+    finite in each dtype it is used in: q's `dtype`, and float32, which the kernels compute
+    q's narrower dtypes and their own in (a scale finite as a Python float but infinite once
+    cast, 1e39 for float32 or 1e5 for float16, made the scores NaN). Metadata only: no
+    tensor value is read (that scale * q @ k^T may still overflow is the values' matter)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    scale = float(scale)
+    for used_in in (dtype, torch.float32) if dtype.itemsize <= 4 else (dtype,):
+        largest = torch.finfo(used_in).max
+        if scale > largest:
+            raise ValueError(
+                f"scale ({scale:g}) is not finite in {used_in}, a dtype it is used in (q's "
+                f"dtype {dtype}; the scores in float32 at least): it must be at most "
+                f"{largest:g}, {used_in}'s largest finite value"
+            )
+    return scale
 
 
 def check_backend(backend: object) -> str:

@@ -169,12 +169,14 @@ struct QueryBlock {
 //               view)
 //   key_start,  both without elements (every sequence reads all tk keys), or both int64 on
 //   key_end     the CPU, contiguous, (b,), with 0 <= key_start[i] <= key_end[i] <= tk
-//   scale       finite and > 0 (functional.attention's contract)
+//   scale       > 0 and finite in float32 (at most FLT_MAX: functional.attention's contract)
 //   causal      any
 //   q_split     query rows per block, in [1, kMaxSplit]
 //   kv_split    keys per block, in [1, kMaxSplit]
 //   diag_split  diagonal rows per sub-block, in [1, kv_split] (the diagonal's tiles then fit
 //               the q_split x kv_split scratch)
+// Every tensor is on q's device, the empty ones included. The tensors are only read (the
+// outputs are new), so they may share memory (q is k in self-attention).
 // Causal masking is bottom-right aligned: query i sees keys up to i + tk - tq. With key
 // ranges, sequence i reads only keys [key_start[i], key_end[i]) (a padded batch), with the
 // same causal alignment; a query before its sequence's first key gets zeros. Query blocks of
@@ -202,6 +204,22 @@ void check_qkv(const char* op, const at::Tensor& t, const char* name) {
               "), INT_MAX]");
 }
 
+// Every tensor argument on q's device, an empty one (no mask, no key ranges) included: the
+// dispatcher picks the kernel by all of them (a meta tensor among CPU ones reaches the fake
+// kernel, attnlab.fake_ops, which refuses the call in the same words).
+void check_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(!t.defined() || !q.defined() || t.device() == q.device(), op, ": ", name,
+              " is on ", t.device(), " but q is on ", q.device(),
+              ": every tensor must be on one device");
+}
+
+// The scale is applied in float32: finite there (a double past FLT_MAX is inf once cast).
+void check_scale(const char* op, double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
+              op, ": scale (", scale, ") must be > 0 and finite in float32, the dtype the kernel "
+              "computes in (at most ", std::numeric_limits<float>::max(), ")");
+}
+
 void check_range(const char* op, const at::Tensor& t, const char* name, int64_t batch) {
   TORCH_CHECK(t.scalar_type() == at::kLong && t.device().is_cpu() && t.dim() == 1 &&
                   t.size(0) == batch && t.is_contiguous(),
@@ -222,6 +240,11 @@ Call check_call(const char* op, const at::Tensor& q, const at::Tensor& k, const 
                 const at::Tensor& mask_in, const at::Tensor& key_start,
                 const at::Tensor& key_end, double scale, int64_t q_split, int64_t kv_split,
                 int64_t diag_split) {
+  check_device(op, k, "k", q);
+  check_device(op, v, "v", q);
+  check_device(op, mask_in, "mask", q);
+  check_device(op, key_start, "key_start", q);
+  check_device(op, key_end, "key_end", q);
   check_qkv(op, q, "q");
   check_qkv(op, k, "k");
   check_qkv(op, v, "v");
@@ -231,8 +254,7 @@ Call check_call(const char* op, const at::Tensor& q, const at::Tensor& k, const 
               " must have q's batch and head_dim, q is ", q.sizes());
   TORCH_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, op, ": k's heads (", k.size(1),
               ") must be >= 1 and divide q's heads (", q.size(1), ")");
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale (", scale,
-              ") must be finite and > 0");
+  check_scale(op, scale);
   TORCH_CHECK(q_split >= 1 && q_split <= kMaxSplit, op, ": q_split (", q_split,
               ") must be in [1, ", kMaxSplit, "]");
   TORCH_CHECK(kv_split >= 1 && kv_split <= kMaxSplit, op, ": kv_split (", kv_split,
@@ -385,7 +407,7 @@ std::vector<at::Tensor> causal_flash_forward(const at::Tensor& q, const at::Tens
 // keys, in a buffer of its own (tasks x q), added up at the end.
 //
 // The op's contract: q, k, v, mask, key_start, key_end, scale, causal and the splits as
-// causal_flash_forward's (the call being differentiated), and
+// causal_flash_forward's (the call being differentiated), every tensor on q's device, and
 //   grad_out,      float32 CPU, q's shape and row layout (features contiguous, token stride in
 //   output         [d, INT_MAX]); output is what the forward returned for this call (named
 //                  so: torch.compile takes an argument named `out` for an out= tensor)
@@ -488,6 +510,9 @@ std::vector<at::Tensor> causal_flash_backward(
     const at::Tensor& key_start, const at::Tensor& key_end, double scale, bool causal,
     int64_t q_split, int64_t kv_split, int64_t diag_split) {
   const char* op = "causal_flash_backward";
+  check_device(op, grad_out, "grad_out", q);
+  check_device(op, output, "output", q);
+  check_device(op, lse, "lse", q);
   const Call c = check_call(op, q, k, v, mask_in, key_start, key_end, scale, q_split, kv_split,
                             diag_split);
   check_like_q(op, grad_out, "grad_out", q);

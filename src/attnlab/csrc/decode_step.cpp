@@ -31,8 +31,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -779,6 +781,32 @@ void check_bias(const at::Tensor& t, const char* name, int64_t n) {
   check_shape(t, name, {n});
 }
 
+// Every tensor argument on x's device, an empty one (no bias, no rotary tables, no scales)
+// included: the dispatcher picks the kernel by all of them (a meta tensor among CPU ones
+// reaches the fake kernel, attnlab.fake_ops, which refuses the call in the same words).
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(!t.defined() || !x.defined() || t.device() == x.device(), "decode_step: ", name,
+              " is on ", t.device(), " but x is on ", x.device(),
+              ": every tensor must be on one device");
+}
+
+// Whether two contiguous tensors' bytes overlap (an empty tensor overlaps nothing).
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// A tensor the op writes (`written`) shares no byte with another argument (`other`): the
+// op would write an input its schema declares read-only, or one buffer through another.
+void check_apart(const at::Tensor& written, const char* written_name, const at::Tensor& other,
+                 const char* other_name) {
+  TORCH_CHECK(!overlap(written, other), "decode_step: ", written_name, " and ", other_name,
+              " overlap in memory: the op writes ", written_name,
+              ", which may share no memory with another argument");
+}
+
 // The op's contract. attnlab.decode_cpu.step builds every argument from a MultiHeadAttention
 // and its KVCache (KVCache.keys_t, scales, block, native_slots); the checks below refuse
 // every other input with a RuntimeError naming the argument, before anything is read or
@@ -805,7 +833,10 @@ void check_bias(const at::Tensor& t, const char* name, int64_t n) {
 //                 new slot is usually among them, else it is written apart)
 //   block         tokens per block of the cache's layout, >= 1 (the last block may hold
 //                 fewer; a block of more than the capacity is one block of the capacity)
-//   scale         the scores' scale, finite and > 0 (1 / sqrt(hd))
+//   scale         the scores' scale, > 0 and finite in float32 (at most FLT_MAX; 1 / sqrt(hd))
+// Every tensor is on x's device, the empty ones included; the tensors the op writes (keys_t,
+// values_t, key_scales, value_scales) share no memory with each other or with any input
+// (the inputs may share memory with each other: they are only read).
 // Returns the layer's output (b, 1, d_out); an empty tensor, with nothing written, when x holds
 // a NaN or an infinity (the caller's own path then raises its error).
 at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::Tensor& b_qkv,
@@ -814,6 +845,11 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
                        at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
                        int64_t position, int64_t slot, int64_t first, int64_t count,
                        int64_t block, double scale) {
+  const std::pair<const at::Tensor*, const char*> others[] = {
+      {&w_qkv, "w_qkv"}, {&b_qkv, "b_qkv"}, {&w_out, "w_out"}, {&b_out, "b_out"},
+      {&cos, "cos"},     {&sin, "sin"},     {&keys_t, "keys_t"}, {&values_t, "values_t"},
+      {&key_scales, "key_scales"}, {&value_scales, "value_scales"}};
+  for (const auto& [t, name] : others) check_device(*t, name, x);
   check_float(x, "x");
   TORCH_CHECK((x.dim() == 3 && x.size(1) == 1) || x.dim() == 2,
               "decode_step: x must be (b, 1, d_in) or (b, d_in), got shape ", x.sizes());
@@ -882,8 +918,24 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   TORCH_CHECK(count >= 1 && count <= cap - first, "decode_step: count (", count,
               ") must be in [1, capacity ", cap, " - first ", first, "]");
   TORCH_CHECK(block >= 1, "decode_step: block (", block, ") must be >= 1");
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "decode_step: scale (", scale,
-              ") must be finite and > 0");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
+              "decode_step: scale (", scale, ") must be > 0 and finite in float32, the dtype the "
+              "kernel computes in (at most ", std::numeric_limits<float>::max(), ")");
+  // the written buffers against each other and every input, before anything is written
+  const std::pair<const at::Tensor*, const char*> written[] = {
+      {&keys_t, "keys_t"}, {&values_t, "values_t"}, {&key_scales, "key_scales"},
+      {&value_scales, "value_scales"}};
+  const std::pair<const at::Tensor*, const char*> inputs[] = {
+      {&x, "x"},         {&w_qkv, "w_qkv"}, {&b_qkv, "b_qkv"}, {&w_out, "w_out"},
+      {&b_out, "b_out"}, {&cos, "cos"},     {&sin, "sin"}};
+  for (size_t i = 0; i < std::size(written); ++i) {
+    for (size_t j = i + 1; j < std::size(written); ++j) {
+      check_apart(*written[i].first, written[i].second, *written[j].first, written[j].second);
+    }
+    for (const auto& [t, name] : inputs) {
+      check_apart(*written[i].first, written[i].second, *t, name);
+    }
+  }
   if (!all_finite(x.data_ptr<float>(), batch * d_in)) return at::empty({0}, x.options());
   // the output allocated before the cache is written, and then, once the chunks are known,
   // one scratch buffer for the projected token, the chunks' partial sums and the heads'
