@@ -17,18 +17,21 @@ import torch
 from torch import nn
 
 from attnlab import debug, decode_cpu, functional, masks, plan, qkv
+from attnlab import rope_scaling as rope_scaling_
 from attnlab._validate import (
     check_bool,
     check_device,
     check_divides,
     check_dropout,
     check_finite,
+    check_float,
     check_float_dtype,
     check_int,
     check_like_parameter,
     check_tensor,
 )
 from attnlab.kv_cache import BLOCK_TOKENS, KVCache
+from attnlab.norms import RMSNorm
 from attnlab.rope import RotaryEmbedding, check_base
 from attnlab.static_cache import StaticKVCache
 
@@ -61,6 +64,19 @@ class MultiHeadAttention(nn.Module):
         rope: rotate queries and keys by their absolute positions (self-attention only;
             needs an even head_dim).
         rope_base: the rotary base (finite, > 1), checked and kept even while rope is off.
+        rope_scaling: a rotary scaling for long contexts: transformers' rope_scaling /
+            rope_parameters dict (rope_type "llama3", "linear" or "yarn") or the book's
+            Llama 3.2 freq_config (attnlab.rope_scaling); rope only.
+        rotary_dim: rotate only the first rotary_dim features of each head (partial
+            rotary; even, at most head_dim; default all); rope only.
+        qk_norm: RMSNorm on the queries and keys before the rotation: "head" over each
+            head's features (Qwen3, Gemma 3), "projection" over the whole projection
+            (OLMo 2), or None. The norms are the submodules q_norm and k_norm.
+        qk_norm_eps: the norms' epsilon.
+        qk_norm_offset: added to the norms' weight when it scales (1.0 for Gemma's
+            `1 + weight`, whose weight starts at zeros).
+        scale: the attention scores' scale (default 1 / sqrt(head_dim); Gemma 3's is
+            query_pre_attn_scalar ** -0.5).
         window: each query sees only the `window` most recent keys, itself included
             (causal only).
         backend: attnlab.functional's kernel: "auto", "math", "sdpa" or "flash".
@@ -95,6 +111,12 @@ class MultiHeadAttention(nn.Module):
         rope_base: float = 10000.0,
         window: int | None = None,
         backend: str = "auto",
+        rope_scaling: dict | None = None,
+        rotary_dim: int | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_offset: float = 0.0,
+        scale: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -122,15 +144,27 @@ class MultiHeadAttention(nn.Module):
         self.backend = functional.check_backend(backend)
         self.rope_base = check_base(rope_base)  # kept in config even while rope is off
         self.rope = None
-        if check_bool("rope", rope):
+        rope = check_bool("rope", rope)
+        self.rope_scaling = rope_scaling_.check_scaling(rope_scaling)
+        self.rotary_dim = None if rotary_dim is None else check_int("rotary_dim", rotary_dim)
+        if not rope and (self.rope_scaling is not None or self.rotary_dim is not None):
+            raise ValueError("rope_scaling and rotary_dim need rope=True")
+        if rope:
             if self.head_dim % 2 != 0:
                 raise ValueError(
                     f"rope=True needs an even head_dim (d_out / num_heads = {d_out} / "
                     f"{num_heads} = {self.head_dim})"
                 )
             self.rope = RotaryEmbedding(
-                self.head_dim, self.context_length, self.rope_base, device=factory["device"]
+                self.head_dim,
+                self.context_length,
+                self.rope_base,
+                scaling=self.rope_scaling,
+                rotary_dim=self.rotary_dim,
+                device=factory["device"],
             )
+        self.scale = None if scale is None else check_float("scale", scale, greater_than=0.0)
+        self._make_qk_norms(qk_norm, qk_norm_eps, qk_norm_offset, factory)
         if self.fused:
             self.qkv_proj = nn.Linear(d_in, d_out + 2 * self.kv_dim, bias=qkv_bias, **factory)
         else:
@@ -141,6 +175,24 @@ class MultiHeadAttention(nn.Module):
         )  # combines the heads' outputs, as in the book
         self.shards = 1  # ranks the heads are split over (attnlab.parallel.tensor_parallel)
         self.register_load_state_dict_pre_hook(_book_state_dict_hook)
+
+    def _make_qk_norms(self, qk_norm, eps, offset, factory) -> None:
+        if qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'projection', got {qk_norm!r}")
+        self.qk_norm = qk_norm
+        self.qk_norm_eps = check_float("qk_norm_eps", eps, greater_than=0.0)
+        self.qk_norm_offset = check_float("qk_norm_offset", offset)
+        if qk_norm is None:
+            return
+        q_dim, k_dim = (self.head_dim,) * 2 if qk_norm == "head" else (self.d_out, self.kv_dim)
+        options = {"offset": self.qk_norm_offset, **factory}
+        self.q_norm = RMSNorm(q_dim, self.qk_norm_eps, **options)
+        self.k_norm = RMSNorm(k_dim, self.qk_norm_eps, **options)
+
+    @property
+    def attention_scale(self) -> float:
+        """The scores' scale: `scale`, or 1 / sqrt(head_dim)."""
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
 
     @property
     def head_dim(self) -> int:
@@ -180,6 +232,12 @@ class MultiHeadAttention(nn.Module):
             "rope_base": self.rope_base,
             "window": self.window,
             "backend": self.backend,
+            "rope_scaling": self.rope_scaling,
+            "rotary_dim": self.rotary_dim,
+            "qk_norm": self.qk_norm,
+            "qk_norm_eps": self.qk_norm_eps,
+            "qk_norm_offset": self.qk_norm_offset,
+            "scale": self.scale,
         }
 
     def extra_repr(self) -> str:
@@ -332,7 +390,7 @@ class MultiHeadAttention(nn.Module):
         weights = plan.native_decode(self, x, cache)
         if weights is None:
             return None
-        scale = 1.0 / math.sqrt(self.head_dim)
+        scale = self.attention_scale
         return decode_cpu.step(x, weights, self.num_heads, scale, cache, self.window)
 
     def _attend(
@@ -354,7 +412,7 @@ class MultiHeadAttention(nn.Module):
             k, v, key_positions = cache.append(k, v)  # (b, hkv, tk, hd): every token held
         mask, causal = self._attention_mask(mask, q, k, start, key_positions, context is None)
         dropout_p = self.dropout if self.training else 0.0
-        scale = 1.0 / math.sqrt(self.head_dim)
+        scale = self.attention_scale
         result = functional.attend(
             q,
             k,
@@ -398,7 +456,7 @@ class MultiHeadAttention(nn.Module):
             v,
             mask=mask,
             causal=False,
-            scale=1.0 / math.sqrt(self.head_dim),
+            scale=self.attention_scale,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
             backend=self.backend,
@@ -552,7 +610,30 @@ class MultiHeadAttention(nn.Module):
     def _project(
         self, x: torch.Tensor, context: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries (b, h, tq, hd), keys and values (b, hkv, tk, hd)."""
+        """Queries (b, h, tq, hd), keys and values (b, hkv, tk, hd), the queries and keys
+        through q_norm and k_norm where the module has them."""
+        q, k, v = self._project_heads(x, context)
+        if self.qk_norm is None:
+            return q, k, v
+        return (*self._normed(q, k), v)
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through q_norm and k_norm: each head's features, or each token's whole
+        projection (its heads' features together)."""
+        if self.qk_norm == "head":
+            return self.q_norm(q), self.k_norm(k)
+        return self._norm_tokens(self.q_norm, q), self._norm_tokens(self.k_norm, k)
+
+    @staticmethod
+    def _norm_tokens(norm: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        b, heads, t, hd = y.shape
+        rows = y.transpose(1, 2).reshape(b, t, heads * hd)  # (b, heads, t, hd) -> (b, t, heads*hd)
+        return norm(rows).view(b, t, heads, hd).transpose(1, 2)  # (b, heads, t, hd)
+
+    def _project_heads(
+        self, x: torch.Tensor, context: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (b, h, tq, hd), keys and values (b, hkv, tk, hd), as projected."""
         if context is None and not self.fused:
             raise ValueError(
                 f"this module reads keys and values from a context of width context_dim "
@@ -617,7 +698,7 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(rope, RotaryEmbedding):
             raise TypeError(f"rope must be an attnlab RotaryEmbedding, got {type(rope).__name__}")
         rows, features = rope.cos.shape
-        if features != self.head_dim or start + tokens > rows:
+        if rope.head_dim != self.head_dim or features > self.head_dim or start + tokens > rows:
             raise ValueError(
                 f"rope's tables hold {rows} positions of {features} features; this call needs "
                 f"positions {start}..{start + tokens - 1} of head_dim ({self.head_dim})"
@@ -743,6 +824,8 @@ def _check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
     its input, as accelerate's offloading hooks do) is in x's dtype (unless autocast casts)
     and on its device: else F.linear's raw dtype or device RuntimeError would be the user's
     message."""
+    if torch.compiler.is_compiling():  # a mismatch fails the trace itself
+        return
     if not plan.pristine_linear(layer) or not plan.no_active_modes():
         return
     weight = layer.weight

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from attnlab import __version__, functional, qkv
+from attnlab import __version__, functional, qkv, rope_scaling
 from attnlab._memory import available_bytes
-from attnlab._validate import check_bool, check_dropout, check_finite, check_size
+from attnlab._validate import check_bool, check_dropout, check_finite, check_float, check_size
 from attnlab.attention import MultiHeadAttention
 from attnlab.rope import check_base
 
@@ -248,6 +248,20 @@ def _rope_base(key: str, value: object) -> float:
     return check_base(value)
 
 
+def _positive(key: str, value: object) -> float:
+    return check_float(key, value, greater_than=0.0)
+
+
+def _number(key: str, value: object) -> float:
+    return check_float(key, value)
+
+
+def _qk_norm(key: str, value: object) -> str | None:
+    if value not in (None, "head", "projection"):
+        raise ValueError(f"{key} must be None, 'head' or 'projection', got {value!r}")
+    return value
+
+
 def _backend(key: str, value: object) -> str:
     try:
         return functional.check_backend(value)
@@ -269,6 +283,12 @@ _SCHEMA: dict[str, Callable[[str, object], object]] = {
     "rope_base": _rope_base,
     "window": _optional_size,
     "backend": _backend,
+    "rope_scaling": lambda key, value: rope_scaling.check_scaling(value, key),
+    "rotary_dim": _optional_size,
+    "qk_norm": _qk_norm,
+    "qk_norm_eps": _positive,
+    "qk_norm_offset": _number,
+    "scale": lambda key, value: None if value is None else _positive(key, value),
 }
 
 

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 STEPS = (
     "_attend",
     "_project",
+    "_project_heads",
+    "_normed",
     "_split_heads",
     "_attention_mask",
     "_check_input",
@@ -172,6 +174,8 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     if state["backend"] != "auto" or not state["causal"] or state["context_dim"] != d_in:
         return None
     if (state["training"] and state["dropout"] > 0) or head_dim % 4:
+        return None
+    if state["qk_norm"] is not None:  # the kernel computes no query/key norm
         return None
     if not type(module)._steps_as_written() or not state.keys() <= _fresh_attention_state():
         return None  # a subclass's step; the instance's own step or attribute (forward...)

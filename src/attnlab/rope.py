@@ -1,7 +1,9 @@
 """Rotary position embeddings (RoPE): each pair of features (i, i + hd/2) of a query or key
 at position m is rotated by the angle m * base^(-2i/hd), so that q.k depends only on the
 distance between the two positions. The pairing is the "rotate half" layout of GPT-NeoX and
-Hugging Face's Llama.
+Hugging Face's Llama. A scaling (attnlab.rope_scaling: Llama 3's, linear, YaRN) changes the
+angles for long contexts; a rotary_dim below head_dim rotates only the first rotary_dim
+features and passes the rest through (partial rotary, as GPT-NeoX and Phi).
 
 Shapes: x is (b, heads, t, hd); the cos/sin tables are (positions, hd), kept in float32
 whatever the module's dtype, and the rotation is computed in float32.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab import debug
+from attnlab import debug, rope_scaling
 from attnlab._validate import (
     check_float,
     check_int,
@@ -33,12 +35,16 @@ class RotaryEmbedding(nn.Module):
         head_dim: features per head, an even int >= 2.
         max_positions: positions the tables cover, an int >= 1.
         base: the frequency base, a finite float > 1 (10000 in RoFormer and Llama).
+        scaling: a rotary scaling, transformers' rope_scaling / rope_parameters dict or the
+            book's freq_config (attnlab.rope_scaling.check_scaling), or None.
+        rotary_dim: the features rotated (even, at most head_dim; default head_dim).
         device: where the tables go (default the CPU).
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an odd or non-positive head_dim, max_positions < 1, base <= 1 or not
-            finite, or head_dim, max_positions or their product past MAX_SIZE (2**40).
+            finite, or head_dim, max_positions or their product past MAX_SIZE (2**40), a
+            scaling attnlab does not compute, or an odd rotary_dim or one past head_dim.
 
     Examples:
         >>> rope = RotaryEmbedding(head_dim=8, max_positions=16)
@@ -53,6 +59,8 @@ class RotaryEmbedding(nn.Module):
         max_positions: int,
         base: float = 10000.0,
         *,
+        scaling: dict | None = None,
+        rotary_dim: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -60,22 +68,37 @@ class RotaryEmbedding(nn.Module):
         max_positions = _check_positions("max_positions", max_positions, head_dim)
         self.head_dim, self.max_positions = head_dim, max_positions
         self.base = check_base(base, "base")
-        cos, sin = rotary_tables(self.head_dim, self.max_positions, self.base, device=device)
-        self.register_buffer("cos", cos, persistent=False)  # (positions, hd), float32
+        self.scaling = rope_scaling.check_scaling(scaling, "scaling")
+        self.rotary_dim = check_rotary_dim(rotary_dim, head_dim)
+        cos, sin = self._tables(device)
+        self.register_buffer("cos", cos, persistent=False)  # (positions, rotary_dim), float32
         self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device | str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_tables(
+            self.head_dim,
+            self.max_positions,
+            self.base,
+            scaling=self.scaling,
+            rotary_dim=self.rotary_dim,
+            device=device,
+        )
 
     def _apply(self, fn, recurse=True):
         """After .to()/.cuda()/.half(): tables rebuilt in float32 on the new device, never
         rounded to the module's dtype."""
         super()._apply(fn, recurse)
-        self.cos, self.sin = rotary_tables(
-            self.head_dim, self.max_positions, self.base, device=self.cos.device
-        )
+        self.cos, self.sin = self._tables(self.cos.device)
         return self
 
     def extra_repr(self) -> str:
         """The sizes shown by repr(module)."""
-        return f"head_dim={self.head_dim}, max_positions={self.max_positions}, base={self.base}"
+        extra = "" if self.rotary_dim == self.head_dim else f", rotary_dim={self.rotary_dim}"
+        extra += "" if self.scaling is None else f", scaling={self.scaling}"
+        return (
+            f"head_dim={self.head_dim}, max_positions={self.max_positions}, base={self.base}"
+            + extra
+        )
 
     def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
         """Rotate each token of `x` by its position. MultiHeadAttention calls its rope this
@@ -164,35 +187,62 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotary_tables(
-    head_dim: int, num_positions: int, base: float, *, device: torch.device | str | None = None
+    head_dim: int,
+    num_positions: int,
+    base: float,
+    *,
+    scaling: dict | None = None,
+    rotary_dim: int | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * base^(-2i/hd), each (positions, hd) in float32, the half
-    of the frequencies repeated so that feature i and i + hd/2 share an angle.
+    """cos and sin of position * inv_freq_i (base^(-2i/rd), or a scaling's schedule), each
+    (positions, rotary_dim) in float32 and multiplied by the scaling's attention factor, the
+    half of the frequencies repeated so that feature i and i + rd/2 share an angle.
 
     Args:
         head_dim: an even int >= 2.
         num_positions: an int >= 1.
         base: a finite float > 1.
+        scaling: a rotary scaling (attnlab.rope_scaling.check_scaling), or None.
+        rotary_dim: the features rotated (even, at most head_dim; default head_dim).
         device: where the tables go.
 
     Returns:
-        (cos, sin), each (num_positions, head_dim) float32.
+        (cos, sin), each (num_positions, rotary_dim) float32.
 
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: an odd or non-positive head_dim, num_positions < 1, base <= 1 or not
-            finite, or head_dim, num_positions or their product past MAX_SIZE (2**40).
+            finite, or head_dim, num_positions or their product past MAX_SIZE (2**40), a
+            scaling attnlab does not compute, an odd rotary_dim or one past head_dim.
     """
     head_dim = _check_head_dim(head_dim)
     num_positions = _check_positions("num_positions", num_positions, head_dim)
     base = check_base(base, "base")
+    scaling = rope_scaling.check_scaling(scaling, "scaling")
+    rotary_dim = check_rotary_dim(rotary_dim, head_dim)
     # float64 on the CPU for exact angles at large positions (not every device has float64)
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    inv_freq = base**-exponents  # (hd/2,)
+    inv_freq, factor = rope_scaling.inverse_frequencies(rotary_dim, base, scaling)  # (rd/2,)
     positions = torch.arange(num_positions, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)  # (positions, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (positions, hd)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    angles = torch.outer(positions, inv_freq)  # (positions, rd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (positions, rd)
+    cos, sin = angles.cos() * factor, angles.sin() * factor
+    return cos.float().to(device), sin.float().to(device)
+
+
+def check_rotary_dim(rotary_dim: object, head_dim: int) -> int:
+    """`rotary_dim` (default head_dim) if it is an even int in [2, head_dim].
+
+    Raises:
+        TypeError: not an int.
+        ValueError: odd, < 2 or past head_dim.
+    """
+    if rotary_dim is None:
+        return head_dim
+    rotary_dim = _check_head_dim(rotary_dim, "rotary_dim")
+    if rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim ({rotary_dim}) must be at most head_dim ({head_dim})")
+    return rotary_dim
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -225,7 +275,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary without the checks."""
+    """apply_rotary without the checks; with tables narrower than x (partial rotary), the
+    first cos.shape[-1] features rotated and the rest passed through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        passed = x.narrow(-1, rotary_dim, x.shape[-1] - rotary_dim)
+        rotated = _rotate(x.narrow(-1, 0, rotary_dim), cos, sin)
+        return torch.cat([rotated, passed], dim=-1)  # (..., t, hd)
     x32 = x.float()
     half = x.shape[-1] // 2
     rotated = torch.cat(

@@ -1,0 +1,61 @@
+"""RMSNorm for queries and keys (QK-norm): Qwen3 and Gemma 3 normalise each head's queries
+and keys before the rotation, OLMo 2 the whole projection.
+
+y = x / sqrt(mean(x^2) + eps) * (offset + weight), computed in float32 and returned in x's
+dtype; offset is 0 for Qwen3 and OLMo 2 (the weight starts at ones) and 1 for Gemma, whose
+weight is stored as the difference from one (it starts at zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab._validate import check_float, check_size
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation over the last dimension with a learned scale.
+
+    Args:
+        dim: the features normalised (the last dimension of the input).
+        eps: added to the mean square, a finite float > 0.
+        offset: added to the weight when it scales (1.0 for Gemma's `1 + weight`).
+        device: where the weight goes.
+        dtype: the weight's dtype.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: dim < 1, or eps not positive and finite.
+
+    Examples:
+        >>> norm = RMSNorm(8)
+        >>> torch.allclose(norm(torch.full((2, 8), 3.0)), torch.ones(2, 8))
+        True
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.dim = check_size("dim", dim)
+        self.eps = check_float("eps", eps, greater_than=0.0)
+        self.offset = check_float("offset", offset)
+        start = 1.0 - self.offset  # the identity scale
+        self.weight = nn.Parameter(torch.full((self.dim,), start, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        """The sizes shown by repr(module)."""
+        return f"{self.dim}, eps={self.eps}, offset={self.offset}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) normalised and scaled, in x's dtype."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
