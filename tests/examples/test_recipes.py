@@ -1,4 +1,5 @@
-"""The three recipes (examples/book_gpt.py, nanogpt.py, llama.py), run as the docs show them:
+"""The recipes (examples/book_gpt.py, nanogpt.py, llama.py; the book's Llama 3.2 and its
+SDPA variant, llama32.py; Qwen3, qwen3.py; Gemma 3, gemma3.py), run as the docs show them:
 each swapped model equals the original with the same weights in eval and in training
 (dropout included: the same masks from the same seed), its cached generation equals the
 original's recomputing generation (greedy ids), a left-padded batch decodes each row as it
@@ -43,6 +44,7 @@ class Family:
 
     example: Any
     config: Any
+    model: str = ""  # the from-scratch Llama-style model's class in the example
 
     def original(self, dropout: float = 0.0):
         ex = self.example
@@ -50,7 +52,19 @@ class Family:
             return ex.GPT(replace(self.config, dropout=dropout))
         if hasattr(ex, "GPT_CONFIG_TINY"):
             return ex.GPTModel({**self.config, "drop_rate": dropout})
-        return ex.Llama(self.config)
+        model = getattr(ex, self.model)(self.config)
+        with torch.no_grad():  # trained norms: not the ones (or zeros) they start at
+            for name, parameter in model.named_parameters():
+                if "norm" in name:
+                    parameter.add_(0.2 * torch.randn_like(parameter))
+        return model
+
+    @property
+    def layers(self) -> int:
+        """The attention layers of the configuration."""
+        if hasattr(self.example, "GPTConfig"):
+            return self.config.n_layer
+        return self.config["n_layers"]
 
     def swapped(self, original):
         ex = self.example
@@ -84,14 +98,28 @@ class Family:
         return ex.generate(model, idx, new, self.config["context_length"])
 
 
+# each family: (example file, its tiny configuration, the model class of a Llama-style one)
+FAMILIES = {
+    "book_gpt": ("book_gpt", "GPT_CONFIG_TINY", ""),
+    "nanogpt": ("nanogpt", "", ""),
+    "llama": ("llama", "LLAMA_CONFIG_TINY", "Llama"),
+    "llama32": ("llama32", "LLAMA32_CONFIG_TINY", "Llama3Model"),
+    "llama32_fast": ("llama32", "LLAMA32_CONFIG_TINY", "Llama3ModelFast"),
+    "qwen3": ("qwen3", "QWEN3_CONFIG_TINY", "Qwen3Model"),
+    "gemma3": ("gemma3", "GEMMA3_CONFIG_TINY", "Gemma3Model"),
+}
+
+
 def _family(name: str) -> Family:
-    ex = load(name)
-    config = {"book_gpt": "GPT_CONFIG_TINY", "llama": "LLAMA_CONFIG_TINY"}.get(name)
-    return Family(ex, ex.GPTConfig() if config is None else getattr(ex, config))
+    file, config, model = FAMILIES[name]
+    ex = load(file)
+    return Family(ex, getattr(ex, config) if config else ex.GPTConfig(), model)
 
 
-NAMES = ["book_gpt", "nanogpt", "llama"]
-DROPOUTS = {"book_gpt": [0.0, 0.1], "nanogpt": [0.0, 0.1], "llama": [0.0]}  # Llama: none
+NAMES = list(FAMILIES)
+FILES = sorted({file for file, _, _ in FAMILIES.values()})
+DROPOUTS = {name: [0.0] for name in NAMES}  # the Llama-style models have no dropout
+DROPOUTS |= {"book_gpt": [0.0, 0.1], "nanogpt": [0.0, 0.1]}
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -113,7 +141,7 @@ def _tokens(family, batch=2, tokens=12, seed=1):
 def test_the_swap_puts_attnlab_in_every_layer(family):
     original, model = _pair(family)
     layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    assert len(layers) == 2  # the tiny configurations' two layers
+    assert len(layers) == family.layers >= 2
     assert not any(isinstance(m, MultiHeadAttention) for m in original.modules())
 
 
@@ -209,11 +237,12 @@ def test_the_way_back_is_the_original_class_with_the_same_outputs(family):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FILES)
 def test_the_example_runs_as_a_script(name, capsys):
     load(name).main()
     printed = capsys.readouterr().out
-    assert "False" not in printed and printed.count("True") == 2, printed
+    claims = 4 if name == "llama32" else 2  # llama32.py: both models
+    assert "False" not in printed and printed.count("True") == claims, printed
 
 
 def test_every_snippet_the_docs_include_is_a_marked_section_of_an_example():
@@ -222,8 +251,8 @@ def test_every_snippet_the_docs_include_is_a_marked_section_of_an_example():
     each example is shown."""
     page = (EXAMPLES.parent / "docs" / "guide" / "recipes.md").read_text()
     included = re.findall(r'--8<-- "examples/(\w+)\.py:(\w+)"', page)
-    assert {name for name, _ in included} == set(NAMES)
-    for name in NAMES:
+    assert {name for name, _ in included} == set(FILES)
+    for name in FILES:
         source = (EXAMPLES / f"{name}.py").read_text()
         sections = set(re.findall(r"# --8<-- \[start:(\w+)\]", source))
         assert sections == set(re.findall(r"# --8<-- \[end:(\w+)\]", source))
@@ -261,8 +290,11 @@ def _sized(name: str, heads: int, head_dim: int, seed: int) -> Family:
         family.config = {**family.config, "n_heads": heads, "emb_dim": width}
     else:
         groups = heads // 2 if heads > 1 and seed % 2 else heads  # grouped or one per head
-        family.config = {**family.config, "n_heads": heads, "emb_dim": width}
-        family.config.update(n_kv_groups=groups, hidden_dim=2 * width)
+        family.config = {**family.config, "n_heads": heads, "n_kv_groups": groups}
+        if "head_dim" in family.config:  # Qwen3, Gemma 3: heads of their own width
+            family.config.update(head_dim=head_dim)
+        else:
+            family.config.update(emb_dim=width, hidden_dim=2 * width)
     return family
 
 

@@ -78,7 +78,8 @@ class BiasedAttention(ex.GroupedQueryAttention):
 
 
 class QKNormAttention(ex.GroupedQueryAttention):
-    """Qwen3's layout: an RMSNorm on queries and keys, which attnlab does not compute."""
+    """Qwen3's norms held but never applied (the forward is the Llama layer's): the swap
+    would apply them, so the probe refuses it."""
 
     def __init__(self, d_in, d_out, num_heads, num_kv_groups):
         super().__init__(d_in, d_out, num_heads, num_kv_groups)
@@ -86,7 +87,7 @@ class QKNormAttention(ex.GroupedQueryAttention):
         self.k_norm = nn.RMSNorm(self.head_dim)
 
 
-def test_qwen2_style_biases_are_swapped_and_qk_norms_are_refused():
+def test_qwen2_style_biases_are_swapped_and_norms_the_forward_skips_are_refused():
     torch.manual_seed(0)
     cos, sin = ex.compute_rope_params(8, CFG["rope_base"], 16)
     layer = BiasedAttention(32, 32, 4, 2)
@@ -97,7 +98,7 @@ def test_qwen2_style_biases_are_swapped_and_qk_norms_are_refused():
     torch.testing.assert_close(swapped(x, mask, cos, sin), layer(x, mask, cos, sin))
     back = llama.to_llama_state(llama.from_llama_state(layer.state_dict()))
     assert all(torch.equal(back[k], v) for k, v in layer.state_dict().items())
-    with pytest.raises(ValueError, match=r"holds submodule q_norm \(RMSNorm\), submodule k_norm"):
+    with pytest.raises(ValueError, match=r"QKNormAttention and its swap differ by .* on a probe"):
         llama.from_llama_attention(QKNormAttention(32, 32, 4, 2), 16, CFG["rope_base"])
 
 
@@ -161,3 +162,70 @@ def test_a_full_size_mask_buffer_is_sliced_as_the_layer_slices_it():
 def test_no_layer_to_swap_is_said_before_anything_else():
     with pytest.raises(ValueError, match="holds no from-scratch GroupedQueryAttention"):
         llama.swap(nn.Sequential(nn.Linear(4, 4)), rope_base=10_000.0)
+
+
+class ProjectionNorms(ex.GroupedQueryAttention):
+    """OLMo 2's layout: torch RMSNorms over the whole query and key projections."""
+
+    def __init__(self):
+        super().__init__(32, 32, 4, 2)
+        self.q_norm = nn.RMSNorm(32, eps=1e-6)
+        self.k_norm = nn.RMSNorm(16, eps=1e-6)
+        with torch.no_grad():
+            self.q_norm.weight.normal_(1.0, 0.3)
+            self.k_norm.weight.normal_(1.0, 0.3)
+
+    def forward(self, x, mask, cos, sin):
+        b, t, _ = x.shape
+        queries = self.q_norm(self.W_query(x)).view(b, t, 4, 8).transpose(1, 2)
+        keys = self.k_norm(self.W_key(x)).view(b, t, 2, 8).transpose(1, 2)
+        values = self.W_value(x).view(b, t, 2, 8).transpose(1, 2)
+        queries, keys = ex.apply_rope(queries, cos, sin), ex.apply_rope(keys, cos, sin)
+        keys, values = keys.repeat_interleave(2, dim=1), values.repeat_interleave(2, dim=1)
+        scores = (queries @ keys.transpose(2, 3)).masked_fill(mask[:t, :t], -torch.inf)
+        context = (torch.softmax(scores / 8**0.5, dim=-1) @ values).transpose(1, 2)
+        return self.out_proj(context.reshape(b, t, 32))
+
+
+def test_norms_over_the_whole_projection_are_swapped_as_olmo2s():
+    torch.manual_seed(0)
+    layer = ProjectionNorms()
+    swapped = llama.from_llama_attention(layer, 16, CFG["rope_base"])
+    attention = swapped.attention
+    assert attention.qk_norm == "projection" and attention.qk_norm_offset == 0.0
+    assert attention.q_norm.weight.shape == (32,) and attention.k_norm.weight.shape == (16,)
+    cos, sin = ex.compute_rope_params(8, CFG["rope_base"], 16)
+    x = torch.randn(2, 7, 32)
+    mask = torch.triu(torch.ones(7, 7, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(x, mask, cos, sin), layer(x, mask, cos, sin))
+    state = layer.state_dict()
+    back = llama.to_llama_state(llama.from_llama_state(state), norm_weight="weight")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_a_query_norm_without_a_key_norm_and_a_bad_norm_name_are_refused():
+    layer = ProjectionNorms()
+    del layer.k_norm
+    with pytest.raises(ValueError, match=r"submodule q_norm \(RMSNorm\) without k_norm"):
+        llama.from_llama_attention(layer, 16, CFG["rope_base"])
+    with pytest.raises(ValueError, match="norm_weight must be one of"):
+        llama.to_llama_state({}, norm_weight="gamma")
+
+
+def test_a_wrapper_refuses_a_call_form_it_cannot_read():
+    _, model = _pair()
+    with pytest.raises(ValueError, match=r"'freqs' unknown"):
+        llama.GroupedQueryAttention(model.trf_blocks[0].att.attention, ("mask", "freqs"))
+    with pytest.raises(ValueError, match="rotary tables cos and sin"):
+        llama.GroupedQueryAttention(model.trf_blocks[0].att.attention, ("mask", "cos", "cos"))
+
+
+def test_a_mask_that_is_not_causal_is_refused_not_made_causal():
+    """The from-scratch layer attends wherever its mask lets it; attnlab's is causal
+    always: a mask showing the future would give other outputs, so it is refused."""
+    _, model = _pair()
+    x = torch.randn(1, 5, CFG["emb_dim"])
+    nothing_hidden = torch.zeros(5, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="outside its causal mask"):
+        model.trf_blocks[0].att(x, nothing_hidden, model.cos, model.sin)
