@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from attnlab import debug
 from attnlab.attention import MultiHeadAttention
 from attnlab.kv_cache import KVCache
+from attnlab.mla import MultiHeadLatentAttention
 
 try:
     __version__ = version("attnlab")
@@ -31,7 +32,16 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 from attnlab.checkpoint import load, save  # after __version__, which checkpoints record
 
-__all__ = ["KVCache", "MultiHeadAttention", "__version__", "debug", "explore", "load", "save"]
+__all__ = [
+    "KVCache",
+    "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "__version__",
+    "debug",
+    "explore",
+    "load",
+    "save",
+]
 
 
 def __getattr__(name: str):
