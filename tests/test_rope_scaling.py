@@ -161,3 +161,12 @@ def test_the_default_type_and_none_are_plain_rope():
     assert torch.equal(plain.cos, default.cos)
     with pytest.raises(ValueError, match=r"rotary_dim \(10\) must be at most head_dim \(8\)"):
         RotaryEmbedding(8, 4, rotary_dim=10)
+
+
+def test_a_zero_mscale_is_read_as_absent_as_transformers_reads_it():
+    scaling = {**YARN, "mscale": 0, "mscale_all_dim": 0}
+    assert rope_scaling.check_scaling(scaling) == rope_scaling.check_scaling(YARN)
+    want, want_factor = _transformers(scaling, 64, 10000.0)
+    got, factor = rope_scaling.inverse_frequencies(64, 10000.0, rope_scaling.check_scaling(scaling))
+    torch.testing.assert_close(got.float(), want, rtol=2e-6, atol=0)
+    assert factor == pytest.approx(want_factor)

@@ -32,6 +32,8 @@ _OPTIONAL = {
 }
 # keys transformers' dicts carry beside the scaling's own (read elsewhere, or not at all)
 _CARRIED = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+# transformers reads these as absent when 0 (`if mscale and mscale_all_dim`)
+_ZERO_IS_ABSENT = ("mscale", "mscale_all_dim")
 _BOOK_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_context_length"}
 
 
@@ -82,7 +84,7 @@ def _parameters(scaling: dict, kind: str, name: str) -> dict:
     parameters = {}
     for key in allowed:
         value = scaling.get(key)
-        if value is None:
+        if value is None or (key in _ZERO_IS_ABSENT and value == 0):
             continue
         if key == "truncate":
             parameters[key] = _check_bool(f"{name}['truncate']", value)
