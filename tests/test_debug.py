@@ -195,3 +195,12 @@ def test_a_value_read_added_back_fails_these_tests(monkeypatch):
         test_functional_attention_on_cuda_reads_no_value(FUNCTIONAL_CALLS["causal"])
     with pytest.raises(RuntimeError, match="meta"):
         test_forward_backward_and_a_cached_decode_off_the_cpu_read_no_value({})
+
+
+def test_padding_mask_from_lengths_off_the_cpu_reads_no_value():
+    from attnlab import masks
+
+    keep = masks.padding_mask_from_lengths(torch.tensor([3, 1], device="meta"), 4)
+    assert keep.shape == (2, 1, 1, 4)
+    with pytest.raises(ValueError, match="lengths must be in"):
+        masks.padding_mask_from_lengths(torch.tensor([5, 1]), 4)  # the CPU's default: checked

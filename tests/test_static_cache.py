@@ -245,3 +245,55 @@ def test_the_decode_loop_under_inductor_reduce_overhead_equals_eager():
     expected, _ = _greedy(model, model, 12, None)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert torch.equal(got, expected)
+
+
+def _compiled_steps(module, cache, steps):
+    step = torch.compile(lambda t, c: module(t, cache=c), fullgraph=True, backend=CompileCounter())
+    torch._dynamo.reset()
+    for _ in range(steps):
+        step(torch.randn(1, 1, D_IN), cache)
+
+
+def test_eager_calls_after_compiled_steps_see_the_devices_position():
+    """Compiled steps move the position on the device only; the next eager check reads it
+    back once: crop accepts what the cache holds, a full cache is refused by name."""
+    module = _module(context_length=8)
+    with torch.no_grad():
+        cache = module.make_cache(1, 8, static=True)
+        module(torch.randn(1, 2, D_IN), cache=cache)
+        _compiled_steps(module, cache, 6)  # position 8: full
+        with pytest.raises(ValueError, match=r"holds 8 of at most max_tokens \(8\)"):
+            module(torch.randn(1, 1, D_IN), cache=cache)
+        assert cache.position.tolist() == [8]
+        cache.crop(5)
+        assert cache.tokens == 5 and cache.position.tolist() == [5]
+        module(torch.randn(1, 1, D_IN), cache=cache)
+    assert cache.tokens == 6
+
+
+def test_a_compiled_step_past_the_capacity_stays_in_range():
+    """The caller owns the bound under compile: a step past it rotates and writes as the
+    last slot (never an out-of-range read of the rotary tables or write of the buffers)."""
+    module = _module(rope=True, context_length=8)
+    with torch.no_grad():
+        cache = module.make_cache(1, static=True)
+        _compiled_steps(module, cache, 10)
+    assert cache.position.tolist() == [10]
+
+
+def test_a_static_cache_made_in_inference_mode_is_refused_outside_it_by_name():
+    module = _module()
+    with torch.inference_mode():
+        cache = module.make_cache(1, 8, static=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="made under torch.inference_mode"):
+        module(torch.randn(1, 2, D_IN), cache=cache)
+    assert cache.tokens == 0
+    with torch.inference_mode():
+        module(torch.randn(1, 2, D_IN), cache=cache)
+    assert cache.tokens == 2
+
+
+def test_check_room_refuses_what_is_not_a_count():
+    cache = StaticKVCache(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="num_new must be >= 1"):
+        cache.check_room(-3)

@@ -499,7 +499,7 @@ class MultiHeadAttention(nn.Module):
         if isinstance(cache, StaticKVCache):
             self._check_static_cache(cache, x, context)
             # the host's count, never read under torch.compile (a guard per position)
-            start = 0 if torch.compiler.is_compiling() else cache.tokens
+            start = 0 if torch.compiler.is_compiling() else cache.tokens  # synced by the check
         elif cache is not None:
             self._check_cache(cache, x, context)
             start = cache.position
@@ -518,6 +518,13 @@ class MultiHeadAttention(nn.Module):
         grad recorded, and (outside torch.compile) room by the host's count."""
         self._check_cache_shape(cache, x, context)
         self._check_static_capacity(cache)
+        cache.sync_tokens()  # after compiled steps: the device's position, read once
+        if cache.locked_by_inference_mode:
+            raise ValueError(
+                "the static cache was made under torch.inference_mode(), whose tensors "
+                "cannot be written outside it: decode under inference_mode too, or make the "
+                "cache outside it"
+            )
         if torch.is_grad_enabled() and self._records_grad(x):
             raise ValueError(
                 "a StaticKVCache is for inference: no gradient flows through its buffers; "

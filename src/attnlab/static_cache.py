@@ -81,6 +81,7 @@ class StaticKVCache:
         self.slots = torch.arange(max_tokens, device=device)  # (capacity,): each key's position
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's
         self.tokens = 0  # tokens written by eager calls: the host's count, for checks
+        self._device_ahead = False  # compiled steps moved the position past `tokens`
         for tensor in self._tensors():  # fixed addresses: a CUDA graph replays on them
             torch._dynamo.mark_static_address(tensor)
 
@@ -137,6 +138,7 @@ class StaticKVCache:
         """Forget every token: the position goes back to 0 on the device (buffers kept)."""
         self.position.zero_()
         self.tokens = 0
+        self._device_ahead = False
 
     def crop(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (a draft's rejected tokens dropped).
@@ -148,6 +150,7 @@ class StaticKVCache:
             ValueError: more than the cache holds, or negative (TypeError: not an int).
         """
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        self.sync_tokens()
         if num_tokens > self.tokens:
             raise ValueError(
                 f"num_tokens ({num_tokens}) is more than the cache holds ({self.tokens})"
@@ -156,11 +159,15 @@ class StaticKVCache:
         self.tokens = num_tokens
 
     def check_room(self, num_new: int) -> None:
-        """Raise unless `num_new` more tokens fit, by the host's count (no device read).
+        """Raise unless `num_new` more tokens fit, by the host's count (no device read
+        unless compiled steps moved the position: sync_tokens).
 
         Raises:
-            ValueError: they do not fit.
+            ValueError: they do not fit, or num_new is not an int >= 1 (TypeError for a
+                non-integer).
         """
+        num_new = check_int("num_new", num_new)
+        self.sync_tokens()
         if self.tokens + num_new > self.max_tokens:
             raise ValueError(
                 f"the cache holds {self.tokens} of at most max_tokens ({self.max_tokens}) "
@@ -168,33 +175,53 @@ class StaticKVCache:
             )
 
     def positions(self, num_new: int) -> torch.Tensor:
-        """The positions of the next `num_new` tokens, (num_new,) on the device."""
-        if num_new == 1:
-            return self.position  # (1,): no op for a decode step
-        return self.position + torch.arange(num_new, device=self.position.device)
+        """The positions of the next `num_new` tokens, (num_new,) on the device. Under
+        torch.compile, where the host's count is not checked, a position past the capacity
+        is the last slot's (a wrong answer the caller's bound prevents, never an
+        out-of-range read of the rotary tables or write of the buffers)."""
+        positions = self.position  # (1,): no op for a decode step
+        if num_new != 1:
+            positions = self.position + torch.arange(num_new, device=self.position.device)
+        if torch.compiler.is_compiling():
+            positions = positions.clamp(max=self.max_tokens - 1)
+        return positions
 
     def write(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (b, hkv, n, hd) at `positions` (n,) and return every slot's keys and
         values (b, hkv, capacity, hd) in k's dtype (as stored: rounded by a narrower store).
-        The position does not move: `advance` moves it once the step has succeeded. Under
-        torch.compile, where the host's count is not checked, a position past the capacity
-        writes the last slot (a wrong answer the caller's bound prevents, never an
-        out-of-range write)."""
-        if torch.compiler.is_compiling():
-            positions = positions.clamp(max=self.max_tokens - 1)
+        The position does not move: `advance` moves it once the step has succeeded."""
         self._store(self.keys, self.key_scales, k, positions)
         self._store(self.values, self.value_scales, v, positions)
         keys = self._read(self.keys, self.key_scales, k.dtype)
         return keys, self._read(self.values, self.value_scales, k.dtype)
 
     def advance(self, num_new: int) -> None:
-        """Move the position on by `num_new` tokens (on the device; the host's count too
-        outside torch.compile)."""
+        """Move the position on by `num_new` tokens: on the device, and the host's count
+        outside torch.compile (inside, the cache notes that the device is ahead: the next
+        eager use reads the position back once, sync_tokens)."""
         self.position.add_(num_new)
-        if not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            self._device_ahead = True  # a store, no read: no guard, no recompile
+        else:
             self.tokens += num_new
+
+    def sync_tokens(self) -> None:
+        """Set the host's count from the device's position if compiled steps moved it (one
+        read of the position, a host-device sync on a GPU, once after compiled steps)."""
+        if torch.compiler.is_compiling() or not self._device_ahead:  # first: no guard on it
+            return
+        self.tokens = int(self.position)  # (1,) -> int
+        self._device_ahead = False
+
+    @property
+    def locked_by_inference_mode(self) -> bool:
+        """True when the buffers were made under torch.inference_mode() and the caller is
+        outside it, where they cannot be written (never while torch.compile traces)."""
+        if torch.compiler.is_compiling():
+            return False
+        return self.keys.is_inference() and not torch.is_inference_mode_enabled()
 
     def visible(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """(n, capacity) bool: slot s is visible to the query at position p when s <= p
