@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from attnlab import __version__, cli
 
 
@@ -100,11 +98,6 @@ def _imports_cpp_extension(code: str) -> bool:
     return result.stdout.split()[-1] == "True"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attnlab.bench.timing imports torch.utils.benchmark at import, whose cpp_jit "
-    "imports torch.utils.cpp_extension (issue 37, item 16: bench's to import it lazily)",
-)
 def test_importing_the_cli_and_its_help_leave_the_build_machinery_unimported():
     """Importing attnlab.cli and `attnlab --help` leave torch.utils.cpp_extension (which
     prints "No CUDA runtime is found" at import on the CUDA wheels) unimported."""

@@ -15,7 +15,6 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import torch
-from torch.utils import benchmark
 
 _MIN_READ_BYTES = 256 * 2**20  # the read buffer's size, at least
 DEVICE_COPY_BYTES = 512 * 2**20  # each buffer of the device's copy: ~10x an H100's L2
@@ -64,7 +63,7 @@ def interleaved_medians(
             if name in cold:
                 times[name].extend(_cold_times(fn, flush, min_run_time))
                 continue
-            timer = benchmark.Timer(
+            timer = _timer_class()(
                 stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
             )
             times[name].extend(timer.blocked_autorange(min_run_time=min_run_time).times)
@@ -138,3 +137,12 @@ def bandwidth_probe(
     if torch.device(device).type == "cpu":
         return memory_read(device, nbytes)
     return device_copy(device, DEVICE_COPY_BYTES if nbytes is None else nbytes)
+
+
+def _timer_class() -> type:
+    """torch.utils.benchmark.Timer, imported on first use: its module imports
+    torch.utils.cpp_extension, which the CUDA wheels make print "No CUDA runtime is found"
+    (attnlab --help and every command that times nothing stay quiet)."""
+    from torch.utils import benchmark
+
+    return benchmark.Timer
