@@ -604,3 +604,210 @@ def test_each_equality_test_fails_on_a_sabotaged_attnlab(test, arguments, monkey
     monkeypatch.setattr(functional, "attention", times_three)
     with pytest.raises(AssertionError):
         test(*arguments)
+
+
+# today's open models' attention layers converted (issue 38): each layer equals the model's
+# eager layer given the same inputs, and the whole model with every layer converted equals
+# its eager self
+
+_SMALL = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+_ROPE_SCALINGS = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+
+def _open_config(kind: str):
+    if kind in _ROPE_SCALINGS:
+        return LlamaConfig(**_SMALL, rope_scaling=_ROPE_SCALINGS[kind])
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**_SMALL, head_dim=32)  # heads wider than the model
+    if kind == "olmo2":
+        return transformers.Olmo2Config(**_SMALL)
+    assert kind == "gemma3"
+    local = {"rope_type": "default", "rope_theta": 10_000.0}
+    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}  # as Gemma 3 27B
+    return transformers.Gemma3TextConfig(
+        **{**_SMALL, "num_hidden_layers": 3},
+        head_dim=32,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": local, "full_attention": full},
+    )
+
+
+OPEN = [*_ROPE_SCALINGS, "qwen3", "gemma3", "olmo2"]
+
+
+def _open_model(kind: str):
+    """An eager model of `kind`, its norms' weights moved off their start (ones, or zeros
+    for Gemma's 1 + weight), so a weight left behind shows."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_open_config(kind), attn_implementation="eager")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return model.eval()
+
+
+def _rotary(model, layer, x, positions):
+    rotary = model.model.rotary_emb
+    if getattr(layer, "layer_type", None) is not None and hasattr(rotary, "layer_types"):
+        return rotary(x, positions, layer.layer_type)
+    return rotary(x, positions)
+
+
+def _eager_mask(tokens, window=None):
+    """transformers' eager mask: 0 where a query may attend, the minimum elsewhere."""
+    hidden = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+    if window is not None:
+        hidden |= torch.ones(tokens, tokens, dtype=torch.bool).tril(-window)
+    return torch.zeros(1, 1, tokens, tokens).masked_fill(hidden, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("kind", OPEN)
+def test_each_converted_layer_equals_the_models_eager_layer(kind):
+    model = _open_model(kind)
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    for decoder in model.model.layers:
+        layer = decoder.self_attn
+        module = hf.from_llama_attention(layer).eval()
+        window = getattr(layer, "sliding_window", None)
+        assert module.window == window
+        with torch.no_grad():
+            expected, _ = layer(
+                x,
+                position_embeddings=_rotary(model, layer, x, positions),
+                attention_mask=_eager_mask(12, window),
+            )
+            torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_conversions_carry_what_each_model_computes():
+    """What makes the layers equal, as the modules state it."""
+    layers = {kind: _open_model(kind).model.layers for kind in OPEN}
+    llama3 = hf.from_llama_attention(layers["llama3"][0].self_attn)
+    assert llama3.rope_scaling["rope_type"] == "llama3" and llama3.qk_norm is None
+    qwen3 = hf.from_llama_attention(layers["qwen3"][0].self_attn)
+    assert (qwen3.qk_norm, qwen3.qk_norm_offset, qwen3.head_dim) == ("head", 0.0, 32)
+    assert qwen3.out_proj.weight.shape == (64, 128)
+    olmo2 = hf.from_llama_attention(layers["olmo2"][0].self_attn)
+    assert olmo2.qk_norm == "projection" and olmo2.k_norm.weight.shape == (32,)
+    sliding, _, full = (hf.from_llama_attention(d.self_attn) for d in layers["gemma3"])
+    assert (sliding.qk_norm_offset, sliding.scale) == (1.0, pytest.approx(24**-0.5))
+    assert (sliding.window, sliding.rope_base, sliding.rope_scaling) == (4, 10_000.0, None)
+    assert (full.window, full.rope_base) == (None, 1_000_000.0)
+    assert full.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+
+
+@pytest.mark.parametrize("kind", OPEN)
+def test_a_model_with_every_attention_layer_converted_equals_its_eager_self(kind):
+    import copy
+
+    eager = _open_model(kind)
+    ours = copy.deepcopy(eager)
+    assert hf.swap_attention(ours) == eager.config.num_hidden_layers
+    assert all(isinstance(d.self_attn, hf.SwappedAttention) for d in ours.model.layers)
+    ids, mask = _left_padded(tokens=24)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(ids, use_cache=False).logits,
+            eager(ids, use_cache=False).logits,
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        got = ours(ids, attention_mask=mask, use_cache=False).logits
+        want = eager(ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", OPEN)
+def test_open_layers_convert_back_to_the_same_weights(kind):
+    model = _open_model(kind)
+    layer, other = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    hf.to_llama_attention(hf.from_llama_attention(layer), other)
+    for name, tensor in layer.state_dict().items():
+        torch.testing.assert_close(other.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_swapped_model_refuses_transformers_cache_and_other_positions_by_name():
+    import copy
+
+    ours = copy.deepcopy(_open_model("qwen3"))
+    hf.swap_attention(ours)
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), pytest.raises(ValueError, match="use_cache=False"):
+        ours(ids)  # transformers makes a DynamicCache by default
+    with torch.no_grad(), pytest.raises(ValueError, match=r"positions 0 \.\. t - 1"):
+        ours(ids, position_ids=torch.arange(3, 9)[None], use_cache=False)
+
+
+def test_what_attnlabs_layer_does_not_compute_is_refused_by_name():
+    config = transformers.Gemma3TextConfig(**_SMALL, head_dim=16, attn_logit_softcapping=50.0)
+    torch.manual_seed(0)
+    gemma = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    layer = gemma.model.layers[0].self_attn
+    with pytest.raises(ValueError, match=r"Gemma3Attention has attn_logit_softcapping \(50.0\)"):
+        hf.from_llama_attention(layer)
+    dynamic = LlamaConfig(**_SMALL, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    llama = AutoModelForCausalLM.from_config(dynamic, attn_implementation="eager")
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        hf.from_llama_attention(llama.model.layers[0].self_attn)
+    with pytest.raises(ValueError, match="holds no Llama-style attention layer"):
+        hf.swap_attention(torch.nn.Linear(2, 2))
+
+
+def test_a_module_that_computes_otherwise_does_not_go_back_into_a_layer():
+    model = _open_model("gemma3")
+    sliding, full = model.model.layers[0].self_attn, model.model.layers[2].self_attn
+    module = hf.from_llama_attention(sliding)
+    with pytest.raises(
+        ValueError,
+        match=r"rope_base 10000.0 != 1000000.0, rope_scaling None != .*, window 4 != None",
+    ):
+        hf.to_llama_attention(module, full)
+    qwen3 = _open_model("qwen3").model.layers[0].self_attn
+    with pytest.raises(ValueError, match=r"qk_norm_offset 0\.0 != 1\.0"):
+        hf.to_llama_attention(hf.from_llama_attention(qwen3), model.model.layers[1].self_attn)
+
+
+def test_a_layer_the_conversion_would_not_equal_is_refused_by_the_probe():
+    """A layer whose forward computes what its attributes do not say (its scaling read
+    elsewhere): the probe sees it."""
+    model = _open_model("qwen3")
+    layer = model.model.layers[0].self_attn
+    layer.scaling = layer.scaling * 2  # the attribute the conversion reads...
+    original_forward = type(layer).forward
+
+    def forward(self, *args, **kwargs):  # ...but this forward computes with the old one
+        self.scaling, saved = self.scaling / 2, self.scaling
+        try:
+            return original_forward(self, *args, **kwargs)
+        finally:
+            self.scaling = saved
+
+    layer.forward = forward.__get__(layer)
+    with pytest.raises(ValueError, match="Qwen3Attention and its conversion differ by"):
+        hf.from_llama_attention(layer)

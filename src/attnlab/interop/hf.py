@@ -1,6 +1,7 @@
 """Hugging Face transformers: attnlab as an attention implementation, and weight conversion
-for GPT-2's and Llama's attention layers. transformers is an optional extra
-(`pip install 'attnlab[hf]'`), imported only here.
+for GPT-2's attention layers and the Llama family's (Llama 3's scaled rotary, Mistral,
+Qwen2, Qwen3, Gemma 3, OLMo 2: from_llama_attention, to_llama_attention, swap_attention).
+transformers is an optional extra (`pip install 'attnlab[hf]'`), imported only here.
 
 register() adds "attnlab" to transformers' AttentionInterface, so
 `AutoModelForCausalLM.from_config(config, attn_implementation="attnlab")` (or
@@ -551,40 +552,42 @@ def to_gpt2_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Module
 def from_llama_attention(
     layer: nn.Module, *, context_length: int | None = None
 ) -> MultiHeadAttention:
-    """attnlab's MultiHeadAttention (rope, grouped-query heads) with the weights of a
-    Llama-style attention layer, giving the same outputs.
+    """attnlab's MultiHeadAttention (rope, grouped-query heads, query/key norms, the layer's
+    scale and window) with the weights of a Llama-style attention layer, giving the same
+    outputs.
+
+    One function for the Llama family's layers: Llama (its rope_scaling of type llama3,
+    linear or yarn included), Mistral and Qwen2 (their sliding window), Qwen3 (q_norm and
+    k_norm per head), Gemma 3 (q_norm and k_norm scaling by 1 + weight, scaling =
+    query_pre_attn_scalar ** -0.5, its layer type's window and rotary parameters), OLMo 2
+    (q_norm and k_norm over the whole projections). The converted module is run beside the
+    layer on a probe (random tokens, the layer's causal or sliding mask, attnlab's rotary
+    tables) before it is returned.
 
     Args:
         layer: an attention layer with Linear q_proj, k_proj, v_proj, o_proj, a config
-            and head_dim (Llama, Mistral, Qwen2, ...); its rotary embedding must be the
-            default one (rope_theta, no scaling), which attnlab's rope equals.
+            and head_dim; optionally q_norm and k_norm (RMSNorms with one weight).
         context_length: the longest input; default the config's max_position_embeddings.
 
     Returns:
-        A causal MultiHeadAttention with rope, on the layer's device and dtype.
+        A causal MultiHeadAttention with rope, on the layer's device and dtype; its out_proj
+        maps the heads to o_proj's width, with o_proj's bias (zeros where it has none).
 
     Raises:
         TypeError: layer is not such a layer.
-        ValueError: rope scaling, or a head_dim other than the width over the heads.
+        ValueError: what attnlab's layer would not compute, named: a rotary type other than
+            the default, llama3, linear and yarn, partial rotary, attention logit
+            softcapping, bidirectional attention, anything else the layer holds (a sink),
+            biases on some projections only, norms of another kind; or a layer that differs
+            from its conversion on the probe.
     """
     _check_llama(layer)
-    config = layer.config
-    _check_llama_rope(config)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    d_in, d_out = layer.q_proj.in_features, layer.q_proj.out_features
-    module = MultiHeadAttention(
-        d_in,
-        d_out,
-        context_length or config.max_position_embeddings,
-        0.0,
-        heads,
-        qkv_bias=layer.q_proj.bias is not None,
-        num_kv_heads=kv_heads,
-        rope=True,
-        rope_base=float(_rope_theta(config)),
-    ).to(layer.q_proj.weight)
-    if module.head_dim != layer.head_dim or layer.o_proj.in_features != d_out:
-        raise ValueError(f"head_dim {layer.head_dim} != hidden width / heads: not supported")
+    spec = _llama_spec(layer, context_length)
+    weight = layer.q_proj.weight
+    module = MultiHeadAttention(**spec).to(weight)
+    d_out, width = spec["d_out"], layer.o_proj.out_features
+    if width != d_out:  # Qwen3, Gemma 3: heads wider (or narrower) than the model
+        module.out_proj = nn.Linear(d_out, width).to(weight)
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
     module.load_qkv_weights(
         qkv.QKVWeights(*(p.weight for p in projections), *(p.bias for p in projections))
@@ -592,16 +595,22 @@ def from_llama_attention(
     with torch.no_grad():
         module.out_proj.weight.copy_(layer.o_proj.weight)
         o_bias = layer.o_proj.bias
-        module.out_proj.bias.copy_(o_bias if o_bias is not None else torch.zeros(d_out))
+        module.out_proj.bias.copy_(o_bias if o_bias is not None else torch.zeros(width))
+        for name in _QK_NORMS if spec.get("qk_norm") else ():
+            getattr(module, name).weight.copy_(_norm_weight(getattr(layer, name)))
+    _probe_llama(layer, module)
     return module
 
 
 def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Module:
-    """Copy `module`'s weights into a Llama-style attention `layer`.
+    """Copy `module`'s weights into a Llama-style attention `layer` (any from_llama_attention
+    converts).
 
     Args:
-        module: a MultiHeadAttention with rope, the layer's head counts and widths, and a
-            zero out_proj bias when o_proj has none.
+        module: a MultiHeadAttention computing what the layer computes: its head counts
+            and widths, rope base and scaling, window, scale and query/key norms (kind,
+            eps and convention) as from_llama_attention would make them, and a zero
+            out_proj bias when o_proj has none.
         layer: as for from_llama_attention, changed in place.
 
     Returns:
@@ -609,26 +618,30 @@ def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Modul
 
     Raises:
         TypeError: module or layer is not of the kind named.
-        ValueError: module does not fit the layer (the message gives both).
+        ValueError: module does not fit the layer (the message names what differs), or the
+            layer holds what attnlab does not compute (as from_llama_attention).
     """
     _check_module(module)
     _check_llama(layer)
-    _check_llama_rope(layer.config)
+    spec = _llama_spec(layer, module.context_length)
     w = module.qkv_weights()
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
-    fits = (
-        module.fused
-        and module.rope is not None
-        and module.num_heads == layer.config.num_attention_heads
-        and module.num_kv_heads == layer.config.num_key_value_heads
-        and all(p.weight.shape == t.shape for p, t in zip(projections, w.weights, strict=True))
-        and (layer.o_proj.bias is not None or not module.out_proj.bias.any())
-    )
-    if not fits:
+    differs = [key for key, value in spec.items() if not _same(module.config.get(key), value)]
+    if not module.fused:
+        differs.append("fused")
+    if module.out_proj.weight.shape != layer.o_proj.weight.shape:
+        differs.append("out_proj's shape")
+    if layer.o_proj.bias is None and module.out_proj.bias is not None:
+        differs += ["out_proj's bias (o_proj has none)"] if module.out_proj.bias.any() else []
+    if not all(p.weight.shape == t.shape for p, t in zip(projections, w.weights, strict=True)):
+        differs.append("projection shapes")
+    if differs:
+        what = [f"{k} {module.config.get(k)!r} != {spec[k]!r}" if k in spec else k for k in differs]
         raise ValueError(
             f"the module ({module.extra_repr()}) does not fit this Llama attention layer "
             f"({layer.config.num_attention_heads} heads, {layer.config.num_key_value_heads} "
-            f"key/value heads, rope, o_proj bias {layer.o_proj.bias is not None})"
+            f"key/value heads, rope, o_proj bias {layer.o_proj.bias is not None}): "
+            f"{', '.join(what)}"
         )
     with torch.no_grad():
         for target, weight, bias in zip(projections, w.weights, w.biases, strict=True):
@@ -638,7 +651,104 @@ def to_llama_attention(module: MultiHeadAttention, layer: nn.Module) -> nn.Modul
         layer.o_proj.weight.copy_(module.out_proj.weight)
         if layer.o_proj.bias is not None:
             layer.o_proj.bias.copy_(module.out_proj.bias)
+        for name in _QK_NORMS if spec.get("qk_norm") else ():
+            _norm_weight(getattr(layer, name)).copy_(getattr(module, name).weight)
     return layer
+
+
+class SwappedAttention(nn.Module):
+    """attnlab's MultiHeadAttention in a transformers attention layer's place (swap_attention):
+    it takes the layer's call, `(hidden_states, position_embeddings, attention_mask, ...)`,
+    and returns `(output, None)`.
+
+    What the call carries is checked, not ignored: the rotary tables (position_embeddings)
+    must be attnlab's rope at positions 0 .. t - 1 (position_ids, where given, those
+    positions); the mask (transformers' additive float one, or a boolean one True where a
+    query may attend) is passed on. transformers' key/value cache is not filled by attnlab:
+    a call with a cache is refused (run the model with use_cache=False; attnlab decodes with
+    its own KVCache, MultiHeadAttention.make_cache).
+
+    Args:
+        attention: the converted layer (from_llama_attention).
+    """
+
+    # the keywords transformers' decoder layers pass that change nothing here (no cache)
+    _PASSED = ("use_cache", "cache_position", "output_attentions")
+
+    def __init__(self, attention: MultiHeadAttention) -> None:
+        super().__init__()
+        _check_module(attention)
+        self.attention = attention
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object = None,
+        past_key_values: object = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """(b, t, hidden) -> ((b, t, hidden), None), as the layer it replaces.
+
+        Raises:
+            ValueError: a cache, recorded attention weights, a keyword attnlab does not
+                know (named), positions other than 0 .. t - 1, rotary tables that are not
+                attnlab's rope.
+        """
+        if cache is not None or past_key_values is not None:
+            raise ValueError(
+                "a swapped attnlab layer does not fill transformers' key/value cache: run the "
+                "model with use_cache=False (attnlab decodes with its own KVCache: "
+                "MultiHeadAttention.make_cache)"
+            )
+        if kwargs.get("output_attentions") or _attentions_requested():
+            raise ValueError(
+                "a swapped attnlab layer returns no attention weights: for output_attentions "
+                "use attn_implementation='attnlab' instead (attnlab.interop.hf.register)"
+            )
+        unknown = sorted(k for k, v in kwargs.items() if k not in self._PASSED and v is not None)
+        if unknown:
+            raise ValueError(
+                f"a swapped attnlab layer got {', '.join(unknown)}, which it neither computes "
+                f"nor knows to change nothing; refused rather than ignored"
+            )
+        tokens = hidden_states.shape[1]
+        _check_positions(position_ids, tokens, hidden_states.device)
+        if position_embeddings is not None:
+            _check_position_embeddings(self.attention, position_embeddings, tokens)
+        return self.attention(hidden_states, mask=attention_mask), None
+
+
+def swap_attention(model: nn.Module, *, context_length: int | None = None) -> int:
+    """Replace, in place, every Llama-style attention layer of a transformers model by
+    attnlab's (from_llama_attention, wrapped in SwappedAttention). Every layer is converted
+    (and probed) before any is replaced: a swap that raises leaves the model as it was.
+
+    The swapped model computes its attention on attnlab's modules and equals its eager self;
+    it runs without transformers' cache (use_cache=False).
+
+    Args:
+        model: a transformers model (or any module holding such layers).
+        context_length: the longest input; default each config's max_position_embeddings.
+
+    Returns:
+        How many layers were replaced.
+
+    Raises:
+        ValueError: the model holds no such layer, or one from_llama_attention refuses.
+    """
+    from attnlab.interop import swap as _swap
+
+    layers = [m for m in model.modules() if _is_llama_style(m)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} holds no Llama-style attention layer")
+    converted = {
+        id(layer): SwappedAttention(from_llama_attention(layer, context_length=context_length))
+        for layer in layers
+    }
+    return _swap.replace_modules(model, lambda m: id(m) in converted, lambda m: converted[id(m)])
 
 
 def _check_gpt2(layer: nn.Module) -> None:
@@ -650,6 +760,8 @@ def _check_gpt2(layer: nn.Module) -> None:
 
 
 _LLAMA_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "config", "head_dim")
+_QK_NORMS = ("q_norm", "k_norm")
+_PROBE_TOKENS = 16
 
 
 def _check_llama(layer: nn.Module) -> None:
@@ -662,6 +774,12 @@ def _check_llama(layer: nn.Module) -> None:
         )
 
 
+def _is_llama_style(m: nn.Module) -> bool:
+    return all(hasattr(m, name) for name in _LLAMA_PARTS) and all(
+        isinstance(getattr(m, n), nn.Linear) for n in _LLAMA_PARTS[:4]
+    )
+
+
 def _check_module(module: object) -> None:
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(
@@ -669,13 +787,194 @@ def _check_module(module: object) -> None:
         )
 
 
+def _rope_parameters(layer: nn.Module) -> dict:
+    """The layer's rotary parameters: its config's rope_parameters (transformers 5), or their
+    entry for the layer's type where they are per type (Gemma 3's sliding and full
+    attention), or an older config's rope_theta and rope_scaling."""
+    config = layer.config
+    parameters = getattr(config, "rope_parameters", None)
+    if parameters is None:  # transformers 4: rope_theta and rope_scaling beside each other
+        scaling = getattr(config, "rope_scaling", None) or {}
+        parameters = {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
+    layer_type = getattr(layer, "layer_type", None)
+    if isinstance(parameters.get(layer_type), dict):
+        parameters = parameters[layer_type]
+    return dict(parameters)
+
+
 def _rope_theta(config) -> float:
     parameters = getattr(config, "rope_parameters", None) or {}
     return parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
 
 
-def _check_llama_rope(config) -> None:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    kind = parameters.get("rope_type", "default")
-    if kind != "default":
-        raise ValueError(f"only the default rotary embedding converts, got rope_type {kind!r}")
+def _llama_spec(layer: nn.Module, context_length: int | None) -> dict:
+    """MultiHeadAttention's arguments for what the layer computes; ValueError naming what
+    attnlab's layer would not compute."""
+    from attnlab import rope_scaling
+    from attnlab.interop import llama, swap
+
+    config, name = layer.config, type(layer).__name__
+    norms = tuple(n for n in _QK_NORMS if getattr(layer, n, None) is not None)
+    swap.check_nothing_else(layer, _LLAMA_PARTS[:4] + norms)  # sinks, own rotary modules
+    parameters = _rope_parameters(layer)
+    partial = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{name} rotates a part of each head (partial_rotary_factor {partial})")
+    softcap = getattr(layer, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"{name} has attn_logit_softcapping ({softcap}), which attnlab's "
+            f"MultiHeadAttention does not compute: convert it with softcapping off, or use "
+            f"attn_implementation='attnlab' (its softcap)"
+        )
+    if not getattr(layer, "is_causal", True):
+        raise ValueError(f"{name} is bidirectional (is_causal False); attnlab's layer is causal")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d_in, d_out = layer.q_proj.in_features, layer.q_proj.out_features
+    if d_out != heads * layer.head_dim or layer.o_proj.in_features != d_out:
+        raise ValueError(
+            f"{name}: q_proj's {d_out} features and o_proj's {layer.o_proj.in_features} are "
+            f"not {heads} heads of head_dim {layer.head_dim}"
+        )
+    biased = [n for n in _LLAMA_PARTS[:3] if getattr(layer, n).bias is not None]
+    if biased and len(biased) < 3:
+        raise ValueError(
+            f"{name}: {', '.join(biased)} have a bias and the other query/key/value "
+            f"projections none; attnlab's fused projection has biases on all three or none"
+        )
+    window = getattr(layer, "sliding_window", getattr(config, "sliding_window", None))
+    spec = {
+        "d_in": d_in,
+        "d_out": d_out,
+        "context_length": context_length or config.max_position_embeddings,
+        "dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        "num_heads": heads,
+        "qkv_bias": bool(biased),
+        "num_kv_heads": kv_heads,
+        "rope": True,
+        "rope_base": float(parameters.get("rope_theta", 10000.0)),
+        "rope_scaling": rope_scaling.check_scaling(parameters, f"{name}'s rope_parameters"),
+        "window": window,
+        "scale": _scale(layer),
+    }
+    if norms:
+        spec.update(_norm_spec(layer, norms, d_out, kv_heads * layer.head_dim, llama))
+    return spec
+
+
+def _scale(layer: nn.Module) -> float | None:
+    """The layer's scaling where it is not 1 / sqrt(head_dim) (Gemma 3's
+    query_pre_attn_scalar ** -0.5), else None."""
+    scaling = getattr(layer, "scaling", None)
+    if scaling is None or abs(scaling - layer.head_dim**-0.5) <= 1e-12 * scaling:
+        return None
+    return float(scaling)
+
+
+def _norm_spec(layer: nn.Module, norms: tuple, d_out: int, kv_dim: int, llama) -> dict:
+    """qk_norm, qk_norm_eps and qk_norm_offset for the layer's q_norm and k_norm, their
+    convention found by running them (attnlab.interop.llama.norm_convention)."""
+    name = type(layer).__name__
+    if len(norms) == 1:
+        raise ValueError(f"{name} has {norms[0]} alone; attnlab's query/key norms come together")
+    (_, eps, offset, q_width), (_, k_eps, k_offset, k_width) = (
+        llama.norm_convention(getattr(layer, n), n) for n in norms
+    )
+    if (eps, offset) != (k_eps, k_offset):
+        raise ValueError(f"{name}: q_norm and k_norm differ in eps or convention")
+    if (q_width, k_width) == (layer.head_dim, layer.head_dim):
+        kind = "head"
+    elif (q_width, k_width) == (d_out, kv_dim):
+        kind = "projection"
+    else:
+        raise ValueError(
+            f"{name}: q_norm and k_norm normalise {q_width} and {k_width} features, neither "
+            f"each head's ({layer.head_dim}) nor the whole projections ({d_out}, {kv_dim})"
+        )
+    return {"qk_norm": kind, "qk_norm_eps": eps, "qk_norm_offset": offset}
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The one weight of a norm norm_convention accepted."""
+    return next(p for n, p in norm.named_parameters() if n in ("weight", "scale"))
+
+
+def _same(mine: object, theirs: object) -> bool:
+    if isinstance(mine, float) and isinstance(theirs, float):
+        return abs(mine - theirs) <= 1e-12 * max(abs(mine), abs(theirs))
+    return mine == theirs
+
+
+def _hidden_as_additive(module: MultiHeadAttention, tokens: int, dtype, device) -> torch.Tensor:
+    """The module's own mask over `tokens` (causal, windowed where it is) as transformers'
+    eager models pass it: (1, 1, t, t), 0 where a query may attend, the dtype's minimum
+    elsewhere."""
+    if module.window is None:
+        allowed = masks.causal_mask(tokens, device=device)
+    else:
+        allowed = masks.sliding_window_mask(tokens, window=module.window, device=device)
+    hidden = torch.zeros(tokens, tokens, dtype=dtype, device=device)
+    return hidden.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _probe_llama(layer: nn.Module, module: MultiHeadAttention) -> None:
+    """Run the layer and its conversion on the same probe (random tokens, the layer's
+    mask, attnlab's rotary tables as position_embeddings): raise unless they agree."""
+    weight = layer.q_proj.weight
+    if weight.is_meta:
+        return
+    tokens = min(module.context_length, _PROBE_TOKENS)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, tokens, module.d_in, generator=generator).to(weight)
+    rope = module.rope
+    tables = tuple(t[:tokens][None].to(weight) for t in (rope.cos, rope.sin))  # (1, t, hd)
+    mask = _hidden_as_additive(module, tokens, weight.dtype, weight.device)
+    modes = layer.training, module.training
+    layer.eval(), module.eval()
+    try:
+        with torch.no_grad():
+            theirs = layer(hidden_states=x, position_embeddings=tables, attention_mask=mask)
+            theirs, ours = theirs[0].float(), module(x).float()
+    finally:
+        layer.train(modes[0]), module.train(modes[1])
+    tolerance = 1e-4 if torch.finfo(weight.dtype).bits >= 32 else 5e-2
+    error = (ours - theirs).abs().max().item()
+    if not error <= tolerance * (1 + theirs.abs().max().item()):
+        raise ValueError(
+            f"{type(layer).__name__} and its conversion differ by {error:.2e} on a probe of "
+            f"{tokens} tokens: the layer computes something attnlab's layer does not (a "
+            f"scale, a norm, a rotary schedule or a mask it does not read from the layer)"
+        )
+
+
+def _check_positions(position_ids: torch.Tensor | None, tokens: int, device) -> None:
+    if position_ids is None:
+        return
+    expected = torch.arange(tokens, device=device)
+    if position_ids.shape[-1] != tokens or not torch.equal(
+        position_ids, expected.expand_as(position_ids)
+    ):
+        raise ValueError(
+            "a swapped attnlab layer places its tokens at positions 0 .. t - 1; these "
+            "position_ids differ (a generate() step, packed sequences): run the model on "
+            "whole sequences, left padding in the attention mask"
+        )
+
+
+def _check_position_embeddings(module: MultiHeadAttention, tables: tuple, tokens: int) -> None:
+    """transformers' (cos, sin), each (b, t, rotary_dim), are attnlab's rope's at 0 .. t - 1."""
+    rope = module.rope
+    for name, theirs, ours in zip(("cos", "sin"), tables, (rope.cos, rope.sin), strict=True):
+        ours = ours[:tokens]
+        if theirs.shape[-2:] != ours.shape:
+            raise ValueError(
+                f"position_embeddings' {name} has shape {tuple(theirs.shape)}; attnlab's rope "
+                f"gives {tuple(ours.shape)} for {tokens} tokens"
+            )
+        tolerance = max(1e-4, 2 * torch.finfo(theirs.dtype).eps)
+        error = (theirs.to(ours) - ours).abs().max().item()
+        if not error <= tolerance:
+            raise ValueError(
+                f"the model's rotary {name} differs from attnlab's rope (base "
+                f"{module.rope_base}, rope_scaling {module.rope_scaling}) by {error:.2e}"
+            )
