@@ -201,3 +201,40 @@ def test_a_norm_of_another_computation_is_refused_by_name():
     layer.k_norm = _Halved(16)
     with pytest.raises(ValueError, match=r"submodule k_norm \(_Halved\) computes neither"):
         llama.from_llama_attention(layer, 64, GM["rope_base"])
+
+
+ml = load("mla")
+ML = ml.MLA_CONFIG_TINY
+
+
+def test_the_mla_cache_holds_the_books_latents_and_nothing_per_head():
+    """attnlab's LatentCache after a cached generation holds, per token and layer, the
+    latent_dim values the book's own cache holds: the same values."""
+    original, model = _swapped(ml, ml.GPTModel, ML)
+    idx = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    want = ml.generate_text_simple_cached(original, idx, 9)  # the book's cache
+    caches = ml.make_caches(model, 2, 16)
+    with torch.no_grad():
+        ml.forward_cached(model, want, caches)  # the tokens the book's loop fed, at once
+    for cache, block in zip(caches, original.trf_blocks, strict=True):
+        assert cache.width == ML["latent_dim"]  # no rotary key, no head
+        assert cache.bytes_per_token == ML["latent_dim"] * 4 * 2  # float32, 2 sequences
+        torch.testing.assert_close(cache.latents, block.att.cache_c_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_the_books_own_cached_generation_runs_on_the_swapped_model():
+    original, model = _swapped(ml, ml.GPTModel, ML)
+    idx = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    want = ml.generate_text_simple_cached(original, idx, 12)
+    assert torch.equal(ml.generate_text_simple_cached(model, idx, 12), want)
+    assert torch.equal(ml.generate_text_simple_cached(model, idx, 12), want)  # reset
+
+
+def test_the_mla_state_maps_are_inverse_and_a_biased_up_projection_is_refused():
+    original, _ = _swapped(ml, ml.GPTModel, ML)
+    state = original.state_dict()
+    back = ml.to_mla_state(ml.from_mla_state(state, ML["n_heads"]), ML["n_heads"])
+    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
+    layer = ml.MultiHeadLatentAttention(32, 32, 0.0, 4, qkv_bias=True, latent_dim=8)
+    with pytest.raises(ValueError, match="qkv_bias: attnlab's MLA"):
+        ml.from_book_mla(layer, 64)

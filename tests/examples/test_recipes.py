@@ -1,5 +1,6 @@
 """The recipes (examples/book_gpt.py, nanogpt.py, llama.py; the book's Llama 3.2 and its
-SDPA variant, llama32.py; Qwen3, qwen3.py; Gemma 3, gemma3.py), run as the docs show them:
+SDPA variant, llama32.py; Qwen3, qwen3.py; Gemma 3, gemma3.py; the book's GPT with
+multi-head latent attention, mla.py), run as the docs show them:
 each swapped model equals the original with the same weights in eval and in training
 (dropout included: the same masks from the same seed), its cached generation equals the
 original's recomputing generation (greedy ids), a left-padded batch decodes each row as it
@@ -20,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from attnlab import MultiHeadAttention
-from attnlab.interop import make_caches
+from attnlab import MultiHeadAttention, MultiHeadLatentAttention
+from attnlab.interop import make_caches as make_attention_caches
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -91,6 +92,8 @@ class Family:
 
     def recompute(self, model, idx, new):
         ex = self.example
+        if hasattr(ex, "generate_text_simple_cached"):  # the book's MLA file
+            return ex.generate_text_simple_cached(model, idx, new, use_cache=False)
         if hasattr(ex, "GPTConfig"):
             return model.generate(idx, new)
         if hasattr(ex, "GPT_CONFIG_TINY"):
@@ -107,6 +110,7 @@ FAMILIES = {
     "llama32_fast": ("llama32", "LLAMA32_CONFIG_TINY", "Llama3ModelFast"),
     "qwen3": ("qwen3", "QWEN3_CONFIG_TINY", "Qwen3Model"),
     "gemma3": ("gemma3", "GEMMA3_CONFIG_TINY", "Gemma3Model"),
+    "mla": ("mla", "MLA_CONFIG_TINY", "GPTModel"),
 }
 
 
@@ -133,6 +137,15 @@ def _pair(family: Family, dropout: float = 0.0, seed: int = 0):
     return original, family.swapped(original)
 
 
+def make_caches(model, batch_size, max_tokens=None):
+    """One cache per attention layer: LatentCaches for the MLA recipe, KVCaches for the
+    others (attnlab.interop.make_caches)."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+    if layers:
+        return [layer.make_cache(batch_size, max_tokens) for layer in layers]
+    return make_attention_caches(model, batch_size, max_tokens)
+
+
 def _tokens(family, batch=2, tokens=12, seed=1):
     vocab = 96  # every tiny configuration's
     return torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
@@ -140,9 +153,10 @@ def _tokens(family, batch=2, tokens=12, seed=1):
 
 def test_the_swap_puts_attnlab_in_every_layer(family):
     original, model = _pair(family)
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    ours = (MultiHeadAttention, MultiHeadLatentAttention)
+    layers = [m for m in model.modules() if isinstance(m, ours)]
     assert len(layers) == family.layers >= 2
-    assert not any(isinstance(m, MultiHeadAttention) for m in original.modules())
+    assert not any(isinstance(m, ours) for m in original.modules())
 
 
 def test_eval_logits_equal_the_original(family):
@@ -319,10 +333,10 @@ def test_drawn_sizes_decode_padded_rows_as_alone_and_equal_recomputing(case):
         assert torch.equal(family.example.generate_cached(model, prompt[None], new), want)
 
 
-@pytest.mark.parametrize("name", ["book_gpt", "nanogpt"])
+@pytest.mark.parametrize("name", ["book_gpt", "nanogpt", "mla"])
 def test_cached_generation_past_the_context_is_a_value_error(name):
     family = _family(name)
     _, model = _pair(family)
     idx = torch.zeros(1, 60, dtype=torch.long)
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(ValueError, match=r"exceed|past context_length"):
         family.example.generate_cached(model.eval(), idx, 10)  # 64 positions
