@@ -58,6 +58,8 @@ def check_size(name: str, value: object, *, minimum: int = 1) -> int:
     """
     if type(value) is int and minimum <= value <= MAX_SIZE:  # the common case, cheaply
         return value
+    if isinstance(value, torch.SymInt):  # a traced tensor's size (export): bounded by it,
+        return value  # and int() or formatting it would specialise the trace
     value = check_int(name, value, minimum=minimum)
     if value > MAX_SIZE:
         raise ValueError(

@@ -104,6 +104,8 @@ def _check_mask_size(num_queries: object, num_keys: object, offset: object) -> N
     """aligned_positions' checks, and a (num_queries, num_keys) mask of at most MAX_SIZE
     elements: before anything is allocated."""
     num_queries, num_keys, _ = _aligned(num_queries, num_keys, offset)
+    if isinstance(num_queries, torch.SymInt) or isinstance(num_keys, torch.SymInt):
+        return  # traced sizes: a tensor's, and formatting them would specialise the trace
     check_size(
         f"num_queries x num_keys ({num_queries} x {num_keys})",
         num_queries * num_keys,
