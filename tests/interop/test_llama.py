@@ -229,3 +229,18 @@ def test_a_mask_that_is_not_causal_is_refused_not_made_causal():
     nothing_hidden = torch.zeros(5, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match="outside its causal mask"):
         model.trf_blocks[0].att(x, nothing_hidden, model.cos, model.sin)
+
+
+def test_a_masked_call_off_the_cpu_reads_no_value_of_the_mask(monkeypatch):
+    """The swap's layer compares a given mask with its own causal one only where value
+    checks run (the CPU by default); off it (meta: any read raises), the mask is combined
+    unread, no host sync; with the reads forced back on, meta raises."""
+    from attnlab import MultiHeadAttention, debug
+
+    layer = MultiHeadAttention(16, 16, 8, 0.0, 2, rope=True, device="meta")
+    wrapped = llama.GroupedQueryAttention(layer)
+    mask = torch.ones(5, 5, dtype=torch.bool, device="meta").triu(1)  # the book's: True hides
+    assert wrapped._allowed(mask, 5).shape == (5, 5)
+    monkeypatch.setattr(debug, "reads_values", lambda t: True)
+    with pytest.raises(RuntimeError, match="(?i)meta"):  # aten::equal reads values
+        wrapped._allowed(mask, 5)

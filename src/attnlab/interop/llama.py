@@ -36,7 +36,7 @@ import re
 import torch
 from torch import nn
 
-from attnlab import masks
+from attnlab import debug, masks
 from attnlab.attention import MultiHeadAttention
 from attnlab.interop import swap as _swap
 from attnlab.kv_cache import KVCache
@@ -135,6 +135,8 @@ class GroupedQueryAttention(nn.Module):
             return None
         if mask.dim() == 2 and mask.shape[0] == mask.shape[1] >= tokens:
             mask = mask[:tokens, :tokens]  # a (context, context) buffer, sliced as the layer does
+        if not debug.reads_values(mask):  # off the CPU: combined with the layer's own, unread
+            return mask.bool().logical_not()
         own = _positional(self.attention, tokens, mask.device)  # (t, t), True where allowed
         if mask.shape == (tokens, tokens) and torch.equal(mask, ~own):
             return None
