@@ -547,3 +547,43 @@ def test_a_jit_trace_never_takes_the_native_step():
         seen.append(_native(m, x, cache))
         torch.jit.trace(probe, x, check_trace=False)
     assert seen == [NATIVE, False]
+
+
+# (num_heads, num_kv_heads): multi-head, grouped-query (3 and 2 query heads per key/value
+# head), multi-query (12 and 4)
+NAMED_LAYOUTS = [(12, 12), (12, 4), (4, 2), (12, 1), (4, 1)]
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), NAMED_LAYOUTS)
+@pytest.mark.parametrize("window", [None, 37])
+@settings(max_examples=2, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.integers(1, 4), st.booleans())
+def test_native_decoding_of_every_named_layout_equals_the_full_forward(
+    dtype, num_heads, num_kv_heads, window, seed, b, prompt, rope
+):
+    """90 tokens decoded one by one through the native step (every count of keys from the
+    prompt's to 90, or a rolling cache of 37 that wraps): each key count meets the grouped
+    kernel's full tiles of keys (up to 64), its one-vector steps and its last keys one by
+    one, for every query group size of the named layouts."""
+    torch.manual_seed(seed)
+    m = MultiHeadAttention(
+        6,
+        num_heads * 8,
+        90,
+        0.0,
+        num_heads,
+        qkv_bias=True,
+        num_kv_heads=num_kv_heads,
+        rope=rope,
+        window=window,
+    ).eval()
+    x = torch.randn(b, 90, 6)
+    with torch.no_grad():
+        full = m(x)
+        assert _native(m, x[:, :1], m.make_cache(b, dtype=dtype))
+        decoded, cache = decode(m, x, dtype, prompt)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(decoded, full, rtol=tolerance, atol=tolerance)
+    assert cache.position == 90 and cache.rolling == (window is not None)

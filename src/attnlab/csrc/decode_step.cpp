@@ -41,6 +41,17 @@
 #define ATTNLAB_X86 1  // x86 intrinsics: prefetches and widening loads
 #endif
 
+// Loops over a tile's query heads and vectors, asked to be unrolled whole: the tile's sums
+// are arrays indexed by the loops' counters, which stay in registers only once unrolled
+// (not left to the compiler's heuristics for nested loops of up to 12 x 4).
+#if defined(__clang__)
+#define ATTNLAB_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define ATTNLAB_UNROLL _Pragma("GCC unroll 16")
+#else
+#define ATTNLAB_UNROLL
+#endif
+
 namespace {
 
 // Vec: 8 floats in an AVX2 build, 16 in an AVX-512 one (attnlab._build picks by CPU).
@@ -284,23 +295,6 @@ void store(const float* src, int8_t* dst, float* scale, int64_t hd, int64_t cap,
   scale[slot] = s;
 }
 
-// A row of the cache as float32 (a copy into `tmp` unless it already is).
-const float* as_float(const float* row, float*, int64_t) { return row; }
-
-const float* as_float(const c10::BFloat16* row, float* tmp, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (int64_t t = 0; t < n; ++t) {
-    const uint32_t widened = static_cast<uint32_t>(bits[t]) << 16;
-    std::memcpy(tmp + t, &widened, sizeof(float));
-  }
-  return tmp;
-}
-
-const float* as_float(const int8_t* row, float* tmp, int64_t n) {
-  for (int64_t t = 0; t < n; ++t) tmp[t] = static_cast<float>(row[t]);
-  return tmp;
-}
-
 // A vector of cache values as float32: loaded and widened in registers (AVX2, AVX-512), or
 // one by one.
 inline float widen(float x) { return x; }
@@ -437,34 +431,79 @@ struct Prefetcher {
   }
 };
 
+// Query heads whose sums share the registers: 2 G accumulators and 3 more vectors fit in 16
+// AVX2 registers for G = 6, in 32 AVX-512 ones for G = 12 (a multi-query head's 12 query
+// heads then read each key once).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kGroupBlock = 12;
+constexpr int kRegisters = 32;  // vector registers
+#else
+constexpr int kGroupBlock = 6;
+constexpr int kRegisters = 16;
+#endif
+constexpr int64_t kMaxGroupedChunk = 512;  // keys per work item, at most, in registers
+
+// Key vectors per step of grouped_scores for G query heads: as many as fit in registers with
+// their G x them sums and the broadcast query feature, up to 4 (so that a few query heads,
+// as grouped-query layouts have, still keep 8 to 16 independent multiply-adds in flight:
+// two FMA units of latency 4 need 8).
+template <int G>
+constexpr int key_vectors() {
+  return std::max(1, std::min(4, (kRegisters - 1) / (G + 1)));
+}
+
+// Value rows per step of grouped_values for G query heads: 4 when their 4 G sums, the 4 rows'
+// vectors and the weights' vector fit in registers, else 2.
+template <int G>
+constexpr int value_rows() {
+  return 5 * G + 1 <= kRegisters ? 4 : 2;
+}
+
 // Grouped heads (several query heads per key/value head): the cache is read once for all of
-// them with the query heads' sums in registers. Scores of G query heads for the m keys at
-// k (rows of hd features, cap apart; `ahead` ticks once per row read): scores[i * n + t] = q[i] . k[:, t], 16 keys a step, each
-// key vector loaded once for the G heads (two loads and G broadcasts per 2 G multiply-adds).
-template <int G, typename T>
+// them, the group's scores one small matrix product whose tile of sums stays in registers.
+// Scores of G query heads for the m keys at k (rows of hd features, cap apart; `ahead` ticks
+// once per row read): scores[i * n + t] = q[i] . k[:, t], NV vectors of keys a step, each
+// key vector loaded once for the G heads (NV loads and G broadcasts per NV G multiply-adds).
+template <int G, int NV = key_vectors<G>(), typename T>
 void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t m,
                     float* scores, int64_t n, Prefetcher& ahead) {
   constexpr int64_t w = Vec::size();
   int64_t t = 0;
-  for (; t + 2 * w <= m; t += 2 * w) {
-    Vec a[G][2];
-    for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
+  for (; t + NV * w <= m; t += NV * w) {
+    Vec a[G][NV];
+    ATTNLAB_UNROLL
+    for (int i = 0; i < G; ++i) {
+      ATTNLAB_UNROLL
+      for (int j = 0; j < NV; ++j) a[i][j] = Vec(0.0f);
+    }
     for (int64_t d = 0; d < hd; ++d) {
       const T* row = k + d * cap + t;
       ahead.tick();
-      const Vec k0 = load(row), k1 = load(row + w);
+      Vec kv[NV];
+      ATTNLAB_UNROLL
+      for (int j = 0; j < NV; ++j) kv[j] = load(row + j * w);
+      ATTNLAB_UNROLL
       for (int i = 0; i < G; ++i) {
         const Vec qv(q[i * hd + d]);
-        a[i][0] = at::vec::fmadd(qv, k0, a[i][0]);
-        a[i][1] = at::vec::fmadd(qv, k1, a[i][1]);
+        ATTNLAB_UNROLL
+        for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(qv, kv[j], a[i][j]);
       }
     }
+    ATTNLAB_UNROLL
     for (int i = 0; i < G; ++i) {
-      a[i][0].store(scores + i * n + t);
-      a[i][1].store(scores + i * n + t + w);
+      ATTNLAB_UNROLL
+      for (int j = 0; j < NV; ++j) a[i][j].store(scores + i * n + t + j * w);
+    }
+  }
+  if constexpr (NV > 1) {  // the keys left, fewer than a step: one vector at a time
+    if (t + w <= m) {
+      const int64_t rest = (m - t) / w * w;
+      grouped_scores<G, 1>(q, hd, k + t, cap, rest, scores + t, n, ahead);
+      t += rest;
     }
   }
   for (; t < m; ++t) {
+    ATTNLAB_UNROLL
     for (int i = 0; i < G; ++i) {
       float total = 0.0f;
       for (int64_t d = 0; d < hd; ++d) total += q[i * hd + d] * widen(k[d * cap + t]);
@@ -473,48 +512,53 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
   }
 }
 
-// out[i * stride + d + e] += p[i] . v[d + e] for G query heads and the two value rows d, d + 1
-// (each row's vector loaded once for the G heads).
-template <int G, typename T>
-void grouped_values(const float* p, int64_t n, const T* v0, const T* v1, int64_t m, float* out,
+// out[i * stride + e] += p[i] . v[e] for G query heads and R value rows v[e] (`cap` apart
+// from v), each row's vector loaded once for the G heads; p[i] is p + i * n.
+template <int G, int R = value_rows<G>(), typename T>
+void grouped_values(const float* p, int64_t n, const T* v, int64_t cap, int64_t m, float* out,
                     int64_t stride, Prefetcher& ahead) {
+  static_assert(R == 2 || R == 4, "two or four value rows a step");
   constexpr int64_t w = Vec::size();
-  Vec a[G][2];
-  for (int i = 0; i < G; ++i) a[i][0] = a[i][1] = Vec(0.0f);
+  Vec a[G][R];
+  ATTNLAB_UNROLL
+  for (int i = 0; i < G; ++i) {
+    ATTNLAB_UNROLL
+    for (int e = 0; e < R; ++e) a[i][e] = Vec(0.0f);
+  }
   int64_t t = 0;
   for (; t + w <= m; t += w) {
     ahead.tick();
-    const Vec x0 = load(v0 + t), x1 = load(v1 + t);
+    Vec x[R];
+    ATTNLAB_UNROLL
+    for (int e = 0; e < R; ++e) x[e] = load(v + e * cap + t);
+    ATTNLAB_UNROLL
     for (int i = 0; i < G; ++i) {
       const Vec pv = Vec::loadu(p + i * n + t);
-      a[i][0] = at::vec::fmadd(pv, x0, a[i][0]);
-      a[i][1] = at::vec::fmadd(pv, x1, a[i][1]);
+      ATTNLAB_UNROLL
+      for (int e = 0; e < R; ++e) a[i][e] = at::vec::fmadd(pv, x[e], a[i][e]);
     }
   }
-  float sums[2 * G + 2];  // sums[2 i + e]: head i, row d + e
-  for (int i = 0; i + 1 < G; i += 2) sum4(a[i][0], a[i][1], a[i + 1][0], a[i + 1][1], sums + 2 * i);
-  if (G % 2) sums[2 * G - 2] = lane_sum(a[G - 1][0]), sums[2 * G - 1] = lane_sum(a[G - 1][1]);
-  for (int i = 0; i < G; ++i) {
-    float s0 = sums[2 * i], s1 = sums[2 * i + 1];
-    for (int64_t u = t; u < m; ++u) {
-      s0 += p[i * n + u] * widen(v0[u]);
-      s1 += p[i * n + u] * widen(v1[u]);
+  float sums[G * R + 4];  // sums[R i + e]: head i, row e
+  if constexpr (R == 4) {
+    ATTNLAB_UNROLL
+    for (int i = 0; i < G; ++i) sum4(a[i][0], a[i][1], a[i][2], a[i][3], sums + 4 * i);
+  } else {
+    ATTNLAB_UNROLL
+    for (int i = 0; i + 1 < G; i += 2) {
+      sum4(a[i][0], a[i][1], a[i + 1][0], a[i + 1][1], sums + 2 * i);
     }
-    out[i * stride] += s0;
-    out[i * stride + 1] += s1;
+    if (G % 2) sums[2 * G - 2] = lane_sum(a[G - 1][0]), sums[2 * G - 1] = lane_sum(a[G - 1][1]);
+  }
+  ATTNLAB_UNROLL
+  for (int i = 0; i < G; ++i) {
+    ATTNLAB_UNROLL
+    for (int e = 0; e < R; ++e) {
+      float s = sums[R * i + e];
+      for (int64_t u = t; u < m; ++u) s += p[i * n + u] * widen(v[e * cap + u]);
+      out[i * stride + e] += s;
+    }
   }
 }
-
-// Query heads whose sums share the registers: 2 G accumulators and 3 more vectors fit in 16
-// AVX2 registers for G = 6, in 32 AVX-512 ones for G = 12 (a multi-query head's 12 query
-// heads then read each key once).
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kGroupBlock = 12;
-#else
-constexpr int kGroupBlock = 6;
-#endif
-constexpr int64_t kInRegisters = 6;  // query heads per key/value head from which they are
-constexpr int64_t kMaxGroupedChunk = 512;  // keys per work item, at most, in registers
 
 // f(std::integral_constant<int, G>) for G = min(remaining, kGroupBlock).
 template <int G = 1, typename F>
@@ -560,8 +604,7 @@ struct Attend {
   // One (sequence, key/value head, chunk of keys) for the `groups` query heads sharing it.
   template <typename T>
   void item(int64_t index, T* keys_t, T* values_t, float* key_scales, float* value_scales,
-            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores,
-            std::vector<float>& tmp) const {
+            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores) const {
     const int64_t c = index % chunks;
     int64_t b, g, t0, n;
     locate(index, b, g, t0, n);
@@ -594,40 +637,36 @@ struct Attend {
       ahead.all();
     }
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
-    // One query head per key/value head, or a few with a float32 cache: scores[i, t] +=
-    // q[i, d] * k[d, t], four rows of keys at a time. Many (multi-query), or a narrower cache
-    // (widened in registers rather than copied to float32 first): the query heads' sums in
-    // registers (grouped_scores).
-    const bool in_registers =
-        groups >= kInRegisters || (groups > 1 && !std::is_same<T, float>::value);
+    // One query head per key/value head: scores[t] += q[d] * k[d, t], four rows of keys at
+    // a time. Several (grouped-query, multi-query): the group's scores one small matrix
+    // product, each key read once for all of them with their sums in registers
+    // (grouped_scores), and so the values (grouped_values).
+    const bool in_registers = groups > 1;
     const T* values_start = v_head + first_values.offset;
     const int64_t values_elements = span(first_values);
     if (!in_registers) {
-      std::fill(scores.begin(), scores.begin() + groups * n, 0.0f);
+      std::fill(scores.begin(), scores.begin() + n, 0.0f);
       for_segments(k_head, t0, n, values_start, values_elements,
                    [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
         ahead.start(after, after_elements, hd / kRows);
-        for (int64_t d = 0; d < hd; d += kRows) {
+        for (int64_t d = 0; d < hd; d += kRows) {  // widened in registers as they are read
           ahead.tick();
           const T* k[kRows];
           for (int64_t r = 0; r < kRows; ++r) k[r] = k_head + s.offset + (d + r) * s.stride;
-          if (groups == 1) {  // widened in registers as they are read
-            axpy4(q + d, k, scores.data() + u, s.m);
-            continue;
-          }
-          const float* wide[kRows];  // widened once for the query heads sharing them
-          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(k[r], &tmp[r * s.m], s.m);
-          for (int64_t i = 0; i < groups; ++i) {
-            axpy4(q + i * hd + d, wide, scores.data() + i * n + u, s.m);
-          }
+          axpy4(q + d, k, scores.data() + u, s.m);
         }
       });
     } else {
-      constexpr int64_t step = 2 * Vec::size();  // keys per step of grouped_scores
       for_segments(k_head, t0, n, values_start, values_elements,
                    [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-        const int64_t blocks = (groups + kGroupBlock - 1) / kGroupBlock;
-        ahead.start(after, after_elements, blocks * hd * std::max<int64_t>(1, s.m / step));
+        int64_t ticks = 0;  // rows grouped_scores reads, block of query heads by block
+        for (int64_t i = 0; i < groups; i += kGroupBlock) {
+          with_group_block(groups - i, [&](auto G) {
+            constexpr int64_t step = key_vectors<decltype(G)::value>() * Vec::size();
+            ticks += hd * std::max<int64_t>(1, s.m / step);
+          });
+        }
+        ahead.start(after, after_elements, ticks);
         for (int64_t i = 0; i < groups; i += kGroupBlock) {
           with_group_block(groups - i, [&](auto G) {
             grouped_scores<decltype(G)::value>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
@@ -659,7 +698,7 @@ struct Attend {
       std::fill_n(partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2), hd, 0.0f);
     }
     float* out0 = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2);
-    if (!in_registers) {  // out[i, d] = sum_t p[i, t] v[d, t], four rows of values at a time
+    if (!in_registers) {  // out[d] = sum_t p[t] v[d, t], four rows of values at a time
       for_segments(v_head, t0, n, next_keys, next_elements,
                    [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
         ahead.start(after, after_elements, hd / kRows);
@@ -667,15 +706,7 @@ struct Attend {
           ahead.tick();
           const T* v[kRows];
           for (int64_t r = 0; r < kRows; ++r) v[r] = v_head + s.offset + (d + r) * s.stride;
-          if (groups == 1) {
-            dot4(scores.data() + u, v, s.m, out0 + d);
-            continue;
-          }
-          const float* wide[kRows];
-          for (int64_t r = 0; r < kRows; ++r) wide[r] = as_float(v[r], &tmp[r * s.m], s.m);
-          for (int64_t i = 0; i < groups; ++i) {
-            dot4(scores.data() + i * n + u, wide, s.m, out0 + d + i * chunks * (hd + 2));
-          }
+          dot4(scores.data() + u, v, s.m, out0 + d);
         }
       });
       return;
@@ -683,16 +714,24 @@ struct Attend {
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
     for_segments(v_head, t0, n, next_keys, next_elements,
                  [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-      const int64_t blocks = (groups + kGroupBlock - 1) / kGroupBlock;
-      ahead.start(after, after_elements, blocks * hd / 2 * std::max<int64_t>(1, s.m / Vec::size()));
-      for (int64_t d = 0; d < hd; d += 2) {  // out[i, d] = sum_t p[i, t] v[d, t], two rows
-        const T* v0 = v_head + s.offset + d * s.stride;
-        for (int64_t i = 0; i < groups; i += kGroupBlock) {
-          with_group_block(groups - i, [&](auto G) {
-            grouped_values<decltype(G)::value>(scores.data() + i * n + u, n, v0, v0 + s.stride,
-                                               s.m, out0 + i * stride + d, stride, ahead);
-          });
-        }
+      int64_t ticks = 0;  // vectors grouped_values reads, block of query heads by block
+      for (int64_t i = 0; i < groups; i += kGroupBlock) {
+        with_group_block(groups - i, [&](auto G) {
+          ticks += hd / value_rows<decltype(G)::value>() * std::max<int64_t>(1, s.m / Vec::size());
+        });
+      }
+      ahead.start(after, after_elements, ticks);
+      // out[i, d] = sum_t p[i, t] v[d, t]: a block of query heads against two or four rows
+      // of values at a time (hd is a multiple of 4)
+      for (int64_t i = 0; i < groups; i += kGroupBlock) {
+        with_group_block(groups - i, [&](auto G) {
+          constexpr int R = value_rows<decltype(G)::value>();
+          for (int64_t d = 0; d < hd; d += R) {
+            grouped_values<decltype(G)::value>(scores.data() + i * n + u, n,
+                                               v_head + s.offset + d * s.stride, s.stride, s.m,
+                                               out0 + i * stride + d, stride, ahead);
+          }
+        });
       }
     });
   }
@@ -744,10 +783,10 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   const int64_t item_floats = 2 * std::min(a.chunk, a.count) * a.hd;  // its keys and values
   at::parallel_for(0, batch * a.kv_heads * a.chunks, grain_for(item_floats), [&](int64_t begin,
                                                                                   int64_t end) {
-    std::vector<float> scores(groups * a.chunk), tmp(kRows * std::min(a.chunk, a.block));
+    std::vector<float> scores(groups * a.chunk);
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
-                index + 1 < end ? index + 1 : -1, index == begin, scores, tmp);
+                index + 1 < end ? index + 1 : -1, index == begin, scores);
     }
   });
   a.merge(batch, attn);
@@ -942,15 +981,13 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   // outputs (one allocation: a tiny layer's step is a few microseconds, each costs ~0.2)
   auto out = at::empty({batch, 1, d_out}, x.options());  // (b, 1, d_out), as the module's
   // enough work items for every thread twice over, each of at least kMinChunk keys; with
-  // the query heads' sums in registers, at most kMaxGroupedChunk, so that the scores of
-  // all of them stay in L1 for the values' pass
+  // several query heads per key/value head (their sums in registers), at most
+  // kMaxGroupedChunk, so that the scores of all of them stay in L1 for the values' pass
   const int64_t heads_total = batch * kv_heads, threads = at::get_num_threads();
   const int64_t parts = std::max<int64_t>(1, (2 * threads + heads_total - 1) / heads_total);
   int64_t chunk = std::max(kMinChunk, (count + parts - 1) / parts);
   const int64_t groups = heads / kv_heads;
-  if (groups >= kInRegisters || (groups > 1 && keys_t.scalar_type() != at::kFloat)) {
-    chunk = std::min(chunk, kMaxGroupedChunk);
-  }
+  if (groups > 1) chunk = std::min(chunk, kMaxGroupedChunk);
   const int64_t chunks = (count + chunk - 1) / chunk;
   const int64_t qkv_floats = batch * d_qkv, partial_floats = batch * heads * chunks * (hd + 2);
   auto scratch = at::empty({qkv_floats + partial_floats + batch * d_out}, x.options());

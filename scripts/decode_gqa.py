@@ -1,0 +1,160 @@
+"""The native decode step's time per token on grouped heads (issue 39): a 12-layer stack of
+GPT-2 small's sizes (d_model 768, 12 query heads, float32 weights), multi-head (12 key/value
+heads), grouped-query (4) and multi-query (1), batch 1 and 8, contexts 256, 1,024 and 4,096.
+
+Each step calls the native op directly for every layer (decode_cpu's binding, no module
+call, no plan) at the same slot, so the caches never move; it runs on one thread and is
+timed in that thread's CPU time (time.thread_time), the least of `rounds` steps after one
+warm-up: a figure that a loaded machine disturbs less than wall time (it still shares the
+caches and memory bandwidth). Compare a change to the kernel with the source before it,
+built beside it (its op registered under another name) and timed in the same process,
+round by round in turn (`--baseline`), or with the figures of an earlier run (`--compare`):
+
+    git show HEAD:src/attnlab/csrc/decode_step.cpp > /tmp/before.cpp
+    python scripts/decode_gqa.py --baseline /tmp/before.cpp
+    python scripts/decode_gqa.py --json before.json   # then, after the change:
+    python scripts/decode_gqa.py --compare before.json
+
+Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
+    [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]
+    [--compare BEFORE.json] [--baseline BEFORE.cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from attnlab import MultiHeadAttention, _build, decode_cpu, plan
+
+LAYERS, D_MODEL, HEADS = 12, 768, 12
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def baseline_op(source: str):
+    """The decode_step of another version of decode_step.cpp, built under another name (its
+    torch.ops library renamed, so that both load in one process)."""
+    from torch.utils import cpp_extension
+
+    text = (
+        Path(source)
+        .read_text()
+        .replace("TORCH_LIBRARY(attnlab_decode,", "TORCH_LIBRARY(attnlab_decode_baseline,")
+    )
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"attnlab_decode_baseline_{digest}.cpp"
+    if not path.exists() or path.read_text() != text:  # rewritten, it would be rebuilt
+        path.write_text(text)
+    module = cpp_extension.load(
+        f"attnlab_decode_baseline_{digest}",
+        [str(path)],
+        extra_cflags=_build.cflags(decode_cpu._WIDE),
+        extra_ldflags=list(_build.LDFLAGS),
+    )
+    return module.decode_step
+
+
+def stack_step(num_kv_heads: int, batch: int, context: int, cache_dtype: torch.dtype, ops):
+    """Calls (one per op of `ops`) decoding one token at position context - 1 through 12
+    layers whose caches hold context - 1 random tokens (each layer its own weights and
+    cache)."""
+    torch.manual_seed(0)
+    modules = [
+        MultiHeadAttention(D_MODEL, D_MODEL, context, 0.0, HEADS, num_kv_heads=num_kv_heads).eval()
+        for _ in range(LAYERS)
+    ]
+    shape = (batch, num_kv_heads, context - 1, D_MODEL // HEADS)  # (b, hkv, t, hd)
+    keys, values = torch.randn(shape), torch.randn(shape)
+    caches = [module.make_cache(batch, context, dtype=cache_dtype) for module in modules]
+    with torch.no_grad():
+        for cache in caches:
+            cache.update(keys, values)
+    x = torch.randn(batch, 1, D_MODEL)  # (b, 1, d)
+    calls = []
+    for module, cache in zip(modules, caches, strict=True):
+        weights = plan.native_module(module)
+        slot, first, count = cache.native_slots(context - 1, None)
+        key_scales, value_scales = cache.scales
+        scale = module.head_dim**-0.5
+        buffers = (cache.keys_t, cache.values_t, key_scales, value_scales)
+        calls.append(
+            (weights, (*buffers, HEADS, context - 1, slot, first, count, cache.block, scale))
+        )
+
+    def step_of(op):
+        def step() -> torch.Tensor:
+            hidden = x
+            for weights, arguments in calls:
+                hidden = op(hidden, *weights, *arguments)
+            return hidden
+
+        return step
+
+    return [step_of(op) for op in ops]
+
+
+def least_cpu_seconds(steps, rounds: int) -> list[float]:
+    """Each step's least thread CPU time over `rounds`, the steps taken in turn each round."""
+    for step in steps:
+        step()  # warm-up
+    best = [float("inf")] * len(steps)
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            start = time.thread_time()
+            step()
+            best[i] = min(best[i], time.thread_time() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cache-dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--contexts", type=_ints, default=[256, 1024, 4096])
+    parser.add_argument("--batches", type=_ints, default=[1, 8])
+    parser.add_argument("--kv-heads", type=_ints, default=[12, 4, 1])
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--compare", help="figures of an earlier run (--json) to compare with")
+    parser.add_argument("--baseline", help="another decode_step.cpp, timed in turn with this one")
+    args = parser.parse_args()
+    if not decode_cpu.available():
+        raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
+    torch.set_num_threads(1)  # one thread: its CPU time is the step's
+    before = json.loads(Path(args.compare).read_text()) if args.compare else {}
+    ops = [decode_cpu._op()] + ([baseline_op(args.baseline)] if args.baseline else [])
+    figures = {}
+    print(
+        f"ms per step ({LAYERS} layers, one thread's CPU time, least of {args.rounds}), "
+        f"{args.cache_dtype} cache"
+    )
+    for num_kv_heads in args.kv_heads:
+        for batch in args.batches:
+            for context in args.contexts:
+                key = f"{args.cache_dtype} kv={num_kv_heads} b={batch} t={context}"
+                steps = stack_step(num_kv_heads, batch, context, DTYPES[args.cache_dtype], ops)
+                times = [s * 1e3 for s in least_cpu_seconds(steps, args.rounds)]
+                ms = figures[key] = times[0]
+                line = f"{key:<32} {ms:9.2f}"
+                if len(times) > 1:
+                    line += f"   baseline {times[1]:9.2f}   this/baseline {ms / times[1]:.2f}"
+                if key in before:
+                    line += f"   before {before[key]:9.2f}   after/before {ms / before[key]:.2f}"
+                print(line, flush=True)
+                del steps
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(figures, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
