@@ -77,6 +77,32 @@ class MetaAttention(nn.Module):
         return self.wo(output)
 
 
+class MetaSoftmaxOverQueries(MetaAttention):
+    """Meta's form with a softmax-dim bug written as a port writes it: over the queries,
+    and the weights left in float32 (no .type_as(xq)). Its caches are moved by the forward
+    (self.cache_k.to(xq)), so they follow .to(): not to be blamed."""
+
+    def forward(self, x, start_pos, freqs_cis, mask):
+        bsz, seqlen, _ = x.shape
+        xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+        self.cache_k = self.cache_k.to(xq)
+        self.cache_v = self.cache_v.to(xq)
+        self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+        self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+        keys = self.cache_k[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2)
+        values = self.cache_v[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2)
+        xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.head_dim)
+        if mask is not None:
+            scores = scores + mask
+        scores = F.softmax(scores.float(), dim=-2)  # bug: dim=-2, and float32 kept
+        output = torch.matmul(scores, values).transpose(1, 2).contiguous().view(bsz, seqlen, -1)
+        return self.wo(output)
+
+
 @dataclass
 class FastArgs:
     """gpt-fast style."""

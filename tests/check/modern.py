@@ -283,6 +283,72 @@ class XTransformersStyleAttention(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
 
 
+def apply_rotary_pos_emb(t, freqs):
+    """x-transformers' rotation of the first freqs.shape[-1] features (halves)."""
+    rot_dim = freqs.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t = t * freqs.cos() + rotate_half(t) * freqs.sin()
+    return torch.cat((t, t_pass), dim=-1)
+
+
+class XAttend(nn.Module):
+    """x-transformers' Attend: the core attention behind flags (causal, an explicit scale,
+    inverted attention: the softmax over the queries, renormalised over the keys)."""
+
+    def __init__(self, causal=False, scale=None, inverted_attention=False, scale_bug=False):
+        super().__init__()
+        self.scale, self.causal = scale, causal
+        self.inverted_attention = inverted_attention
+        self.attn_dim = -2 if inverted_attention else -1
+        self.scale_bug = scale_bug
+
+    def forward(self, q, k, v, mask=None):
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k)
+        if not self.scale_bug:  # the bug: the scale removed
+            sim = sim * scale
+        mask_value = -torch.finfo(sim.dtype).max
+        if mask is not None:
+            sim = sim.masked_fill(~mask, mask_value)
+        if self.causal:
+            i, j = sim.shape[-2:]
+            causal_mask = torch.ones((i, j), dtype=torch.bool, device=sim.device).triu(j - i + 1)
+            sim = sim.masked_fill(causal_mask, mask_value)
+        attn = sim.softmax(dim=self.attn_dim)
+        if self.inverted_attention:
+            if mask is not None:
+                attn = attn.masked_fill(~mask, 0.0)
+            attn = attn / attn.sum(dim=-1, keepdim=True).clamp(min=1e-5)
+        return torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+
+
+class XTransformersAttention(nn.Module):
+    """x-transformers' Attention around its Attend: to_q/to_k/to_v/to_out, optional context,
+    mask and rotary frequencies (None here, as an audit calls it)."""
+
+    def __init__(self, dim=D, dim_head=8, heads=4, causal=True, inverted_attention=False,
+                 scale_bug=False):  # fmt: skip
+        super().__init__()
+        self.heads = heads
+        inner = dim_head * heads
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.Linear(inner, dim, bias=False)
+        self.attend = XAttend(causal, dim_head**-0.5, inverted_attention, scale_bug)
+
+    def forward(self, x, context=None, mask=None, rotary_pos_emb=None):
+        b, n, _ = x.shape
+        kv_input = x if context is None else context
+        q, k, v = self.to_q(x), self.to_k(kv_input), self.to_v(kv_input)
+        q, k, v = (t.view(b, t.shape[1], self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        if rotary_pos_emb is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+        out = self.attend(q, k, v, mask=mask)  # (b, h, n, d)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
 # name -> (constructor keywords, the bug's words in the report) for the planted bugs
 CORRECT = {
     "MHAPyTorchClass": {},
@@ -293,6 +359,7 @@ CORRECT = {
     "MetaLlamaStyleAttention": {},
     "TimmStyleAttention": {},  # audited with causal=False (NON_CAUSAL)
     "XTransformersStyleAttention": {},
+    "XTransformersAttention": {},
 }
 BUGS = {
     "LlamaStyleAttention": ({"scale_bug": True}, "scale is missing"),
@@ -301,5 +368,6 @@ BUGS = {
     "MetaLlamaStyleAttention": ({"merge_bug": True}, "no transpose(1, 2)"),
     "TimmStyleAttention": ({"scale_bug": True}, "scale is missing"),
     "XTransformersStyleAttention": ({"mask_bug": True}, "one diagonal too high"),
+    "XTransformersAttention": ({"scale_bug": True}, "scale is missing"),
 }
 NON_CAUSAL = {"TimmStyleAttention"}

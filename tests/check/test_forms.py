@@ -41,6 +41,7 @@ HF = (
     "LlamaAttentionDroppingItsCache",
     "Gemma2Attention",
     "Gemma2AttentionIgnoringItsCap",
+    "LlamaAttentionInterleaved",
 )
 MINGPT = {"n_embd": 32, "n_head": 4, "block_size": 16, "attn_pdrop": 0.0, "resid_pdrop": 0.0}
 
@@ -88,6 +89,7 @@ def test_each_form_is_audited_without_an_adapter(capsys, name, init):
         ("FastAttention", {"n_local_heads": 2, "tile_bug": True}, "shared in the wrong order"),
         ("MetaAttention", {"offset_bug": True}, "do not continue from start_pos"),
         ("Qwen3AttentionUnscaled", QWEN3_CONFIG, "scale is missing"),
+        ("LlamaAttentionInterleaved", LLAMA_CONFIG, "rotary convention is swapped"),
     ],
 )
 def test_a_planted_bug_in_each_form_is_named_first(capsys, name, init, words):
@@ -171,3 +173,16 @@ def test_a_scale_bug_on_model_parallel_layers_is_named_first(capsys):
     pytest.importorskip("fairscale")
     code, results = _check(capsys, "ParallelAttention", {"scale_bug": True})
     assert code == 1 and "scale is missing" in results["reference"]["causes"][0]
+
+
+def test_caches_the_forward_moves_are_not_blamed_for_a_dtype_error(capsys):
+    """Meta's form with a softmax-dim bug that keeps the weights in float32: follows_to
+    fails for the fixed dtype, and not on the caches it keeps as plain attributes (the
+    forward moves them: self.cache_k.to(xq)); causal and reference name the softmax."""
+    code, results = _check(capsys, "MetaSoftmaxOverQueries", {})
+    follows = results["follows_to"]
+    assert code == 1 and follows["status"] == "failed", follows
+    said = " ".join([follows["observed"], *follows["causes"]])
+    assert "plain tensor attributes: cache_k" not in said and ".float()" in said, said
+    assert "not the cause" in follows["observed"], follows
+    assert "softmax" in results["reference"]["causes"][0], results["reference"]

@@ -92,3 +92,57 @@ def test_a_leak_into_every_position_lists_them_with_the_count():
     observation lists six positions and says how many more there are."""
     report = _audit("NeoXStyleAttention", mask_bug=True)
     assert "and 9 more (15 in all)" in report["causal"].observed, report["causal"].observed
+
+
+def test_a_missing_scale_is_named_where_the_source_mentions_rotation():
+    """x-transformers' Attention: its source rotates when given rotary frequencies (None
+    here), so the rotary layouts lead; the plain layout is tried too, and the missing scale
+    is named, not the inverted_attention flag that guards a masking line."""
+    causes = _audit("XTransformersAttention", scale_bug=True)["reference"].causes
+    assert "scale is missing" in causes[0], causes
+    assert not any("inverted_attention" in cause for cause in causes), causes
+
+
+class _HalvedValues(modern.XAttend):
+    """A bug outside the catalogue (the output halved) behind x-transformers' flags."""
+
+    def forward(self, q, k, v, mask=None):
+        return super().forward(q, k, v, mask) * 0.5
+
+
+def test_a_module_that_hides_the_future_is_not_blamed_on_its_masking_lines():
+    """No classic bug fits; the masking suspects (a mask built only under a flag that is
+    off) are left out of the causes, since the module leaks nothing."""
+    torch.manual_seed(0)
+    module = modern.XTransformersAttention().eval()
+    module.attend = _HalvedValues(causal=True, scale=8**-0.5)
+    report = audit(module, d_in=modern.D)
+    assert report["causal"].status == "passed"
+    reference = report["reference"]
+    assert reference.status == "failed", reference.observed
+    assert not any("inverted_attention" in cause for cause in reference.causes), reference
+    assert "none of the classic bugs" in reference.causes[0], reference.causes
+
+
+def test_the_swapped_convention_is_the_other_pairing_with_the_same_tables():
+    """Rotary.apply(swapped=True), written out: a halves layout's tables (cat(freqs,
+    freqs)) turning interleaved pairs, and a pairs layout's (repeat_interleave) turning
+    halves; neither keeps the norm of a pair of features (no rotation)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * 100.0 ** (
+        -torch.arange(0, 8, 2, dtype=torch.float64) / 8
+    )
+    halves_cos, halves_sin = torch.cat([angles] * 2, -1).cos(), torch.cat([angles] * 2, -1).sin()
+    every_two = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+    expected = x * halves_cos + every_two * halves_sin
+    torch.testing.assert_close(Rotary("halves", 8, 100.0).apply(x, swapped=True), expected)
+    pairs_cos, pairs_sin = (
+        angles.repeat_interleave(2, -1).cos(),
+        angles.repeat_interleave(2, -1).sin(),
+    )
+    half = torch.cat((-x[..., 4:], x[..., :4]), -1)
+    expected = x * pairs_cos + half * pairs_sin
+    torch.testing.assert_close(Rotary("pairs", 8, 100.0).apply(x, swapped=True), expected)
+    assert not torch.allclose(Rotary("halves", 8, 100.0).apply(x, swapped=True).norm(dim=-1),
+                              x.norm(dim=-1))  # fmt: skip

@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterable, Iterator
 from torch import nn
 
 from attnlab.check import properties
+from attnlab.check.arguments import known_names
 from attnlab.check.probe import Probe, make_probe
 from attnlab.check.reference import NAME as REFERENCE
 from attnlab.check.reference import TITLE as REFERENCE_TITLE
 from attnlab.check.reference import check_reference
-from attnlab.check.report import AuditReport, PropertyResult, exit_status, skipped
+from attnlab.check.report import AuditReport, PropertyResult, error, exit_status, skipped
 from attnlab.check.runner import Step, describe, from_module, module_raised, run_step
 
 __all__ = ["AuditReport", "PropertyResult", "audit", "exit_status"]
@@ -112,6 +113,9 @@ def attention_steps(
     found: dict = {}
 
     def runs() -> PropertyResult:
+        if probe.needs:  # a call would only raise TypeError: say what it needs instead
+            report.incomplete = needs_arguments(probe)
+            return error("runs", properties.TITLES["runs"], report.incomplete)
         try:
             result, found["tokens"] = properties.check_runs(probe, _SEED)
         except BaseException as raised:  # SystemExit, KeyboardInterrupt: the audit stops
@@ -146,6 +150,16 @@ def attention_steps(
     for name, check in checks.items():
         yield name, properties.TITLES[name], check
     yield REFERENCE, REFERENCE_TITLE, lambda: check_reference(probe, tokens, _SEED, causal)
+
+
+def needs_arguments(probe: Probe) -> str:
+    """Why a forward whose required arguments the check cannot build is not called."""
+    return (
+        f"the forward needs these arguments: {', '.join(probe.needs)} ({probe.needs_why}); "
+        f"the check builds only the ones a model passes under a known name "
+        f"({', '.join(known_names())}): audit it through a wrapper whose forward(x) "
+        f"passes them"
+    )
 
 
 def finish(report: AuditReport) -> None:

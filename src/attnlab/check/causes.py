@@ -55,13 +55,17 @@ def find_suspects(module: nn.Module) -> list[Suspect]:
     return found
 
 
-BUG_KINDS = (
+# the kinds that leave the future visible: causes of a leak, and of nothing else
+MASK_KINDS = (
     "mask_condition_off",
     "float_mask",
     "masked_fill_discarded",
     "sdpa_inverted_mask",
     "sdpa_not_causal",
     "mask_offset",
+)
+BUG_KINDS = (
+    *MASK_KINDS,
     "softmax_dim",
     "dropout_before_softmax",
     "merge_without_transpose",
@@ -89,6 +93,106 @@ def explain(suspects: list[Suspect], kinds: tuple[str, ...]) -> list[str]:
 def has(suspects: list[Suspect], kind: str) -> bool:
     """Whether the source holds a suspect of `kind` (e.g. uses_masked_fill)."""
     return any(s.kind == kind for s in suspects)
+
+
+def mask_convention(module: nn.Module, name: str) -> str | None:
+    """How the module's forward reads its mask argument `name`, from its source:
+    "blocked" (`masked_fill(mask, ...)`, `where(mask, fill, scores)`: True where a key is
+    hidden), "allowed" (`masked_fill(~mask, ...)`, `mask == 0`, `where(mask, scores,
+    fill)`: True where it is seen), "additive" (added to the scores); None when the source
+    cannot be read or does not say (SDPA's attn_mask takes either an additive float or an
+    allowed bool)."""
+    tree = _forward_tree(type(module))
+    if tree is None:
+        return None
+    aliases = {name: False}  # names holding the mask -> whether they hold it negated
+    nodes = sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.Call | ast.BinOp)),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
+    for node in nodes:
+        if isinstance(node, ast.Assign):
+            held = _held(node.value, aliases)
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    if held is None:
+                        aliases.pop(target.id, None)
+                    else:
+                        aliases[target.id] = held
+            continue
+        if isinstance(node, ast.BinOp):
+            operands = (node.left, node.right)
+            if isinstance(node.op, ast.Add) and any(_held(o, aliases) is False for o in operands):
+                return "additive"
+            continue
+        method = _method(node)
+        if method in ("masked_fill", "masked_fill_"):
+            selector = node.args[0] if node.args else _keyword(node, "mask")
+            held = None if selector is None else _held(selector, aliases)
+            if held is not None:
+                return "allowed" if held else "blocked"
+        if method == "where" and len(node.args) == 3:
+            held = _held(node.args[0], aliases)
+            if held is not None and (_is_fill(node.args[1]) or _is_fill(node.args[2])):
+                hides = _is_fill(node.args[1]) != held  # where(mask, fill, ...) hides
+                return "blocked" if hides else "allowed"
+    return None
+
+
+def _forward_tree(cls: type) -> ast.AST | None:
+    """The ast of the forward the class runs (its own or a base's, outside torch)."""
+    for base in cls.__mro__:
+        forward = vars(base).get("forward")
+        if forward is None:
+            continue
+        if base.__module__.split(".")[0] == "torch":
+            return None
+        try:
+            return ast.parse(textwrap.dedent(inspect.getsource(forward)))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            return None
+    return None
+
+
+def _held(expr: ast.expr, aliases: dict[str, bool]) -> bool | None:
+    """Whether expr holds one of the mask's aliases negated (True) or as it is (False);
+    None when it holds none (a slice, .bool() or .to() keep the polarity; ~, not,
+    logical_not, == 0 and != 1 flip it)."""
+    if isinstance(expr, ast.Name):
+        return aliases.get(expr.id)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert | ast.Not):
+        inner = _held(expr.operand, aliases)
+        return None if inner is None else not inner
+    if isinstance(expr, ast.Compare) and len(expr.ops) == 1:
+        inner = _held(expr.left, aliases)
+        other = expr.comparators[0]
+        constant = other.value if isinstance(other, ast.Constant) else None
+        if inner is None or isinstance(constant, str) or constant is None:
+            return None
+        flips = (isinstance(expr.ops[0], ast.Eq) and constant == 0) or (
+            isinstance(expr.ops[0], ast.NotEq) and constant == 1
+        )
+        return not inner if flips else inner
+    if isinstance(expr, ast.Subscript):
+        return _held(expr.value, aliases)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+        if expr.func.attr == "logical_not":
+            inner = _held(expr.func.value, aliases)
+            return None if inner is None else not inner
+        if expr.func.attr in ("bool", "to", "type_as", "contiguous", "view", "reshape"):
+            return _held(expr.func.value, aliases)
+    if isinstance(expr, ast.Call) and _method(expr) == "logical_not" and expr.args:
+        inner = _held(expr.args[0], aliases)
+        return None if inner is None else not inner
+    return None
+
+
+def _is_fill(expr: ast.expr) -> bool:
+    """A masking fill: -inf, a finfo minimum, a negative constant."""
+    text = ast.unparse(expr)
+    if "inf" in text or "finfo" in text:
+        return True
+    return isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub)
 
 
 def _class_suspects(cls: type, instance: nn.Module) -> list[Suspect]:

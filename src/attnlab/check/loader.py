@@ -215,29 +215,39 @@ def _module_config_class(cls: type) -> type | None:
     return None
 
 
-def _config_class(cls: type, name: str) -> type | None:
+def _config_class(cls: type, name: str) -> tuple[type | None, bool]:
     """The class parameter `name` is annotated with, or the one its module holds, in the
-    nearest class of cls's MRO that says (a subclass written elsewhere takes its base's)."""
+    nearest class of cls's MRO that says (a subclass written elsewhere takes its base's),
+    and whether it came from an annotation."""
     for base in cls.__mro__[:-1]:  # object says nothing
         try:
             annotation = typing.get_type_hints(base.__init__).get(name)
         except Exception:  # unresolvable string annotations: no class to build
             annotation = None
-        found = annotation if isinstance(annotation, type) else _module_config_class(base)
+        if isinstance(annotation, type):
+            return annotation, True
+        found = _module_config_class(base)
         if found is not None:
-            return found
-    return None
+            return found, False
+    return None, False
 
 
 def _config(cls: type, name: str, fields: dict) -> tuple[object, str]:
-    """The configuration object for parameter `name` from --init's fields, and its kind."""
-    annotation = _config_class(cls, name)
-    if isinstance(annotation, type) and annotation not in (dict, object):
+    """The configuration object for parameter `name` from --init's fields, and its kind.
+    An annotated class that does not take the fields is a usage error; a class guessed from
+    the file (its one ...Config or ...Args dataclass) that does not take them leaves the
+    parameter a ConfigDict (another class of the file reads its config as a dict)."""
+    found, annotated = _config_class(cls, name)
+    if isinstance(found, type) and found not in (dict, object):
         try:
             with user_code():
-                return annotation(**fields), annotation.__name__
+                return found(**fields), found.__name__
         except TypeError as error:
-            raise LoadError(f"{annotation.__name__}(**--init): {error} (check --init)") from error
+            if annotated:
+                message = f"{found.__name__}(**--init): {error} (check --init)"
+                raise LoadError(message) from error
+            kind = f"a ConfigDict (attribute and item access; the file's {found.__name__} "
+            return ConfigDict(fields), f"{kind}does not take them: {error})"
     return ConfigDict(fields), "a ConfigDict (attribute and item access)"
 
 

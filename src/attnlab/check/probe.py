@@ -40,6 +40,9 @@ class Probe:
     # forward's other required arguments (positions, rotary tables, masks) by name: built
     # per call from x as the model around the module would (check.arguments)
     extra: dict[str, Builder] = dataclasses.field(default_factory=dict)
+    # required forward arguments the check cannot build (by name), and why: not called
+    needs: list[str] = dataclasses.field(default_factory=list)
+    needs_why: str = ""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The module's (batch, tokens, d_out) output for x (batch, tokens, d_in), in the
@@ -126,8 +129,11 @@ def make_probe(
     probe = Probe(
         private, d_in, context_length, dtype, _takes_qkv(module), num_heads, seq_first=seq_first
     )
-    forms = arguments.builders(private, _head_dim(private, d_in, num_heads), causal)
-    probe.extra = _first_form_that_runs(probe, forms)
+    if not probe.takes_qkv:
+        supply = arguments.builders(private, _head_dim(private, d_in, num_heads), causal)
+        probe.needs, probe.needs_why = supply.needs, supply.why
+        if not supply.needs:
+            probe.extra = _first_form_that_runs(probe, supply.forms)
     return probe
 
 
@@ -142,19 +148,25 @@ def _head_dim(module: nn.Module, d_in: int, num_heads: int | None) -> int | None
 
 
 def _first_form_that_runs(probe: Probe, forms: list[dict]) -> dict:
-    """The first of forward's argument forms that a 2-token call runs with (gpt-fast takes
-    its rotary tables real, Meta's Llama complex); the first when none runs (the module's
-    error is then the audit's finding)."""
+    """The first of forward's argument forms that a call of 3 tokens (2 within a shorter
+    context; an odd count, so that tables indexed by head instead of position do not
+    broadcast by chance) runs with, returning (1, tokens, ...): gpt-fast takes its rotary
+    tables real, Meta's Llama complex; the book's cos/sin are (tokens, head_dim), llama2.c's
+    (tokens, head_dim/2); a masked_fill takes a bool mask. The first when none runs (the
+    module's error is then the audit's finding)."""
     if len(forms) == 1:
         return forms[0]
-    x = probe.inputs(1, 2, seed=0)
+    tokens = 3 if (probe.context_length or 3) >= 3 else 2
+    x = probe.inputs(1, tokens, seed=0)
     for form in forms:
         try:
             with torch.no_grad():
-                probe.module(x, **{name: build(x) for name, build in form.items()})
+                out = probe.module(x, **{name: build(x) for name, build in form.items()})
         except Exception:  # the module's own error with this form: try the next
             continue
-        return form
+        out = out[0] if isinstance(out, tuple | list) and out else out
+        if isinstance(out, torch.Tensor) and tuple(out.shape[:2]) == (1, tokens):
+            return form
     return forms[0]
 
 
@@ -281,16 +293,28 @@ def _in_width(layer: object) -> int | None:
 
 
 def _takes_qkv(module: nn.Module) -> bool:
-    """True for forward(query, key, value, ...) with key and value required (not for
-    forward(x, start_pos, freqs_cis, mask), whose other arguments the check supplies)."""
+    """True for forward(query, key, value, ...) with key and value required, named so (not
+    for forward(x, start_pos, freqs_cis, mask), whose other arguments the check supplies,
+    nor for forward(x, freqs_cos, freqs_sin))."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return False
     required = [
-        p
+        p.name
         for p in parameters
         if p.default is inspect.Parameter.empty
         and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    return len(required) >= 3 and not arguments.supplies([p.name for p in required[1:]])
+    if len(required) < 3 or arguments.supplies(required[1:]):
+        return False
+    return _names_role(required[1], _KEY_WORDS) and _names_role(required[2], _VALUE_WORDS)
+
+
+_KEY_WORDS = frozenset(("k", "key", "keys", "xk", "kv", "context", "memory"))
+_VALUE_WORDS = frozenset(("v", "value", "values", "xv", "kv", "context", "memory"))
+
+
+def _names_role(name: str, words: frozenset[str]) -> bool:
+    """Whether a parameter's name reads as that role (key_input, k, values, ...)."""
+    return any(part in words for part in name.lower().split("_"))

@@ -209,15 +209,7 @@ def _leak(probe: Probe, leaks: dict[int, tuple[list[int], float]]) -> PropertyRe
     return failed(name, TITLES[name], observed, leak_causes(suspects))
 
 
-_LEAK_KINDS = (
-    "mask_condition_off",
-    "float_mask",
-    "masked_fill_discarded",
-    "sdpa_inverted_mask",
-    "sdpa_not_causal",
-    "mask_offset",
-    "dropout_before_softmax",
-)
+_LEAK_KINDS = (*source.MASK_KINDS, "dropout_before_softmax")
 
 
 def leak_causes(suspects: list[source.Suspect]) -> list[str]:
@@ -475,10 +467,15 @@ def check_follows_to(probe: Probe, tokens: int, seed: int) -> PropertyResult:
         with torch.no_grad():
             out = moved(moved.inputs(1, tokens, seed))
     except Exception as error:  # the finding
-        if used:
+        if used and _runs_with_them_moved(probe, used, tokens, seed):
             observed = f"the forward uses plain tensor attributes: {', '.join(used)}"
             return failed(name, TITLES[name], observed, causes)
         observed = f"after .to(torch.float64): {_describe(error)}"
+        if used:  # they are not the cause: the forward raises with them in float64 too
+            observed += (
+                f" (it raises with the plain tensor attributes it uses, {', '.join(used)}, "
+                f"in float64 too: they are not the cause)"
+            )
         return failed(name, TITLES[name], observed, [_FIXED_DTYPE])
     left = [n for n in used if not _moved_by_forward(moved.module, n, torch.float64)]
     if left:  # kept where they were made: a device or dtype they will not follow
@@ -488,6 +485,26 @@ def check_follows_to(probe: Probe, tokens: int, seed: int) -> PropertyResult:
         observed = f"after .to(torch.float64) the output is {out.dtype}"
         return failed(name, TITLES[name], observed, [_FIXED_DTYPE])
     return passed(name, TITLES[name], "float64 in, float64 out; no plain tensor attributes used")
+
+
+def _runs_with_them_moved(probe: Probe, used: list[str], tokens: int, seed: int) -> bool:
+    """Whether the float64 forward runs once the plain tensor attributes it uses are in
+    float64 too (on another copy): only then are they why it raised."""
+    moved = probe.copy()
+    moved.module.to(torch.float64)
+    moved.dtype = torch.float64
+    for name in used:
+        owner_path, _, key = name.rpartition(".")
+        owner = moved.module.get_submodule(owner_path) if owner_path else moved.module
+        value = vars(owner).get(key)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            setattr(owner, key, value.to(torch.float64))
+    try:
+        with torch.no_grad():
+            moved(moved.inputs(1, tokens, seed))
+    except Exception:  # still raises: the attributes are not the cause
+        return False
+    return True
 
 
 def _moved_by_forward(module: nn.Module, name: str, dtype: torch.dtype) -> bool:
@@ -502,8 +519,8 @@ def _moved_by_forward(module: nn.Module, name: str, dtype: torch.dtype) -> bool:
 
 _FIXED_DTYPE = (
     "a dtype fixed in the forward: a tensor made without dtype= (torch.full, torch.ones, "
-    "torch.zeros default to float32) or filled with another dtype's finfo(...).min; make it "
-    "with dtype=x.dtype"
+    "torch.zeros default to float32), filled with another dtype's finfo(...).min, or cast "
+    "with .float() and never cast back (.type_as(x)); make it with dtype=x.dtype"
 )
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 

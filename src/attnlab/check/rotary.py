@@ -41,14 +41,20 @@ class Rotary:
     def __str__(self) -> str:
         return f"rotary ({self.style}, {self.dim} features, base {self.base:g})"
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x (b, h, t, hd), position p = index along t, rotated; features past dim unchanged."""
+    def apply(self, x: torch.Tensor, swapped: bool = False) -> torch.Tensor:
+        """x (b, h, t, hd), position p = index along t, rotated; features past dim unchanged.
+        swapped: the classic convention swap, the tables laid out for this style and the
+        features paired the other way (halves tables cat(freqs, freqs) with interleaved
+        pairs rotated, or repeat_interleave tables with rotate_half): no rotation at all
+        (the two features of a pair turn by different angles)."""
         t = x.shape[-2]
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim
         angles = torch.arange(t, dtype=torch.float64)[:, None] * self.base**-exponents  # (t, dim/2)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rot, rest = x[..., : self.dim], x[..., self.dim :]
-        if self.style == "halves":
+        if swapped:
+            rotated = _swapped(rot, cos, sin, self.style)
+        elif self.style == "halves":
             first, second = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
             rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
         else:
@@ -56,6 +62,20 @@ class Rotary:
             pairs = (even * cos - odd * sin, odd * cos + even * sin)
             rotated = torch.stack(pairs, dim=-1).flatten(-2)  # (.., dim/2, 2) -> (.., dim)
         return torch.cat((rotated, rest), dim=-1)
+
+
+def _swapped(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str):
+    """rot * cos + turned(rot) * sin with tables of `style`'s layout and the other style's
+    turn: cos, sin (t, dim/2)."""
+    if style == "halves":  # tables cat(freqs, freqs), turned in interleaved pairs
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        turned = torch.stack((-odd, even), dim=-1).flatten(-2)
+    else:  # tables repeat_interleave(freqs, 2), turned in halves
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        half = rot.shape[-1] // 2
+        turned = torch.cat((-rot[..., half:], rot[..., :half]), -1)
+    return rot * cos + turned * sin
 
 
 def candidates(module: nn.Module, head_dim: int) -> tuple[list[Rotary], list[str]]:
