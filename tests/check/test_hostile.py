@@ -2,10 +2,15 @@
 and the right exit code, never a traceback, a hang or exit 0 with no report."""
 
 import json
+import sys
+import threading
+import types
 
 import pytest
 
 from attnlab import cli
+from attnlab.check.report import exit_status
+from attnlab.check.supervisor import fork_is_safe, supervise
 
 HEADER = """
 import os, sys, time
@@ -101,3 +106,70 @@ def test_strict_turns_the_warning_into_a_failure(tmp_path, capsys):
     report = json.loads(printed)
     assert code == 1 == report["exit"]["code"]
     assert "--strict" in report["exit"]["reason"] and report["warnings"] == ["finite_gradients"]
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize(
+    "name", ["os_exit", "sleeps_forever", "exit_in_forward", "prints_to_stdout", "later_exception"]
+)
+def test_a_forked_and_a_spawned_child_report_the_same(tmp_path, name, start):
+    """The child is this process forked where that is safe (torch and attnlab imported
+    once), else a fresh interpreter: either way the same findings and exit code, and the
+    parent is left with its one thread."""
+    if start == "fork" and not fork_is_safe():
+        pytest.skip("forking is not safe in this process (another thread, or not Linux)")
+    file = tmp_path / f"{name}.py"
+    file.write_text(HEADER + MODULES[name])
+    job = {"target": f"{file}:M", "init": None, "causal": True, "d_in": None,
+           "context_length": None, "seed": 0, "model": None}  # fmt: skip
+    report = supervise(job, 3.0, start=start)
+    expected_code, property_name, status, words = EXPECTED[name]
+    assert exit_status(report)[0] == expected_code, report.incomplete
+    result = report[property_name]
+    assert result.status == status and words in result.observed, result
+    assert threading.active_count() == 1
+
+
+def test_a_process_running_another_thread_is_not_forked():
+    """Another Python thread could hold a lock the child would inherit held: spawn."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not fork_is_safe()
+        with pytest.raises(ValueError, match="forking is not safe"):
+            supervise({"target": "x.py:M"}, 1.0, start="fork")
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_an_unknown_way_to_start_is_named():
+    with pytest.raises(ValueError, match="start must be one of"):
+        supervise({"target": "x.py:M"}, 1.0, start="thread")
+
+
+@pytest.mark.parametrize("start", [None, "spawn"])
+def test_the_child_is_this_process_forked_where_that_is_safe(tmp_path, monkeypatch, start):
+    """By default (start=None) the child is this process forked: it starts with what this
+    process imported (torch and attnlab: most of an audit's seconds when spawned); spawned,
+    it has none of it."""
+    if start is None and not fork_is_safe():
+        pytest.skip("forking is not safe in this process (another thread, or not Linux)")
+    monkeypatch.setitem(sys.modules, "_attnlab_parent_marker", types.ModuleType("marker"))
+    record = tmp_path / "forked.txt"
+    file = tmp_path / "records.py"
+    file.write_text(
+        HEADER + "class M(Base):\n"
+        "    def __init__(self, record):\n"
+        "        super().__init__()\n"
+        "        with open(record, 'w') as out:\n"
+        "            out.write(str('_attnlab_parent_marker' in sys.modules))\n"
+        "    def forward(self, x):\n"
+        "        return self.attend(x)\n"
+    )
+    job = {"target": f"{file}:M", "init": json.dumps({"record": str(record)}), "causal": True,
+           "d_in": None, "context_length": None, "seed": 0, "model": None}  # fmt: skip
+    report = supervise(job, 30.0, start=start)
+    assert report.ok, report.incomplete
+    assert record.read_text() == str(start is None)

@@ -105,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
         0, 1 or 3 (see exit_status); a usage error exits 2 through the parser.
     """
     from attnlab.check.loader import LoadError, parse_init, parse_target
-    from attnlab.check.printing import print_report
     from attnlab.check.report import NOTE, exit_status
     from attnlab.check.supervisor import UsageError, supervise
 
@@ -121,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         exit_info = {"code": code, "reason": reason}
         print(json.dumps({"note": NOTE, **report.to_dict(), "exit": exit_info}, indent=2))
     else:
+        from attnlab.check.printing import print_report  # rich, for the table alone
+
         print_report(report, reason=reason)
     return code
 

@@ -1,7 +1,9 @@
-"""The child process of `attnlab check`: `python -m attnlab.check.worker` reads its job as
-JSON on stdin and writes events as JSON lines on its stdout; its own prints, and the
-audited code's, go to stderr. One child runs the whole audit (import, constructor, every
-property), so that the parent can end it at a time limit whatever the module does.
+"""The child process of `attnlab check`: one child runs the whole audit (import, constructor,
+every property), so that the parent can end it at a time limit whatever the module does.
+Forked from the parent where that is safe (supervisor.py: it has torch and attnlab imported
+already), the child calls `serve(job, channel)`; else `python -m attnlab.check.worker`
+reads its job as JSON on stdin. Either way it writes events as JSON lines on its channel;
+its own prints, and the audited code's, go to stderr.
 
 Events: ready; start (a step begins: name, title); result (its PropertyResult); header
 (the report's fields and the plan, once the module is built); usage (a usage error:
@@ -40,10 +42,18 @@ Emit = Callable[..., None]
 
 
 def main() -> None:
-    """Run the job on stdin; leave with os._exit so that no code of the module's (atexit
-    handlers, threads) runs after the report."""
+    """Run the job read from stdin (JSON), writing the events on stdout: the spawned
+    child's entry."""
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the module's prints go to stderr, never into the events
+    serve(json.loads(sys.stdin.read()), channel)
+
+
+def serve(job: dict, channel) -> None:
+    """Run `job`, writing its events as JSON lines on `channel` (a text file), then leave
+    with os._exit, so that no code of the module's (atexit handlers, threads) runs after the
+    report: the child's whole life, spawned (main) or forked (supervisor). fd 1 and
+    sys.stdout already lead to stderr."""
     sys.stdout = sys.stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # one thread: the audit's tensors are a few tokens wide, and OpenMP threads waiting
@@ -54,7 +64,6 @@ def main() -> None:
     def emit(event: str, **fields) -> None:
         channel.write(json.dumps({"event": event, **fields}) + "\n")
 
-    job = json.loads(sys.stdin.read())
     emit("ready")
     try:
         run_job(job, emit)
