@@ -211,3 +211,24 @@ def test_query_and_key_norms_are_found_under_any_name_at_any_depth(make):
     result = audit(module)["reference"]
     assert result.status == "passed", result.observed
     assert "normed by the module's own norms" in result.observed
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("target", "init", "given"),
+    [
+        ("llama32.py:GroupedQueryAttention", {**GQA, "d_out": 32}, "mask, cos, sin"),
+        ("llama32.py:GroupedQueryAttentionFast", {**GQA, "d_out": 32}, "cos, sin"),
+        ("qwen3.py:GroupedQueryAttention", QWEN3, "mask, cos, sin"),
+    ],
+)
+def test_the_recipes_book_layers_are_audited_without_an_adapter(capsys, target, init, given):
+    """The book's layers as the repository's recipes hold them (examples/llama32.py,
+    qwen3.py, the bonus chapters' code): no adapter, the reference passed."""
+    code = cli.main(["check", str(EXAMPLES / target), "--init", json.dumps(init), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    reference = _results(report)["reference"]
+    assert code == 0 and reference["status"] == "passed", reference
+    assert f"forward given {given}, made as a model makes them" in report["setup"]
