@@ -232,3 +232,25 @@ def test_the_recipes_book_layers_are_audited_without_an_adapter(capsys, target, 
     reference = _results(report)["reference"]
     assert code == 0 and reference["status"] == "passed", reference
     assert f"forward given {given}, made as a model makes them" in report["setup"]
+
+
+class _KeywordTables(forms_rotary.GroupedQueryAttention):
+    """The tables keyword-only, and a keyword-only argument no convention names."""
+
+    def forward(self, x, *, cos, sin, segment_ids=None):
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        return super().forward(x, mask, cos, sin)
+
+
+class _KeywordSegments(forms_rotary.GroupedQueryAttention):
+    def forward(self, x, *, segment_ids):
+        return x
+
+
+def test_keyword_only_arguments_are_supplied_or_named():
+    torch.manual_seed(0)
+    report = audit(_KeywordTables(**GQA), d_in=32)
+    assert report.ok and report["reference"].status == "passed", report["reference"]
+    report = audit(_KeywordSegments(**GQA), d_in=32)
+    assert "needs these arguments: segment_ids" in report["runs"].observed

@@ -193,12 +193,17 @@ def _supplied_when_optional(module: nn.Module, name: str, causal: bool) -> bool:
 
 
 def _parameters(module: nn.Module) -> tuple[list[str], list[str]]:
-    """(required positional parameters, those defaulting to None) of module.forward."""
+    """(required parameters, those defaulting to None) of module.forward, positional or
+    keyword-only (the check passes its arguments by keyword)."""
     try:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return [], []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    kinds = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
     required = [
         p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind in kinds
     ]
