@@ -1,0 +1,493 @@
+"""attnlab.plan's allow-list, one condition at a time (issue 37, item 17): for each condition
+of plan.py, a case where dropping, negating or moving it changes what the user gets: a fast
+path computing something other than the module's own Python path, a raw error where the
+door names one, or the fast path no longer taken where it applies (the plan's contract, as
+its docstrings state it). scripts/mutants.py applies those one-line mutants and runs these
+tests (and the plan's others) against each."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+from attnlab import KVCache, MultiHeadAttention, decode_cpu, plan
+from attnlab.rope import RotaryEmbedding
+
+needs_native = pytest.mark.skipif(
+    not decode_cpu.available(), reason="the native decode step is unavailable here"
+)
+
+
+def build(seed=0, **kwargs):
+    """16 -> 32 features, 4 query heads of 8, 2 key/value heads: the native step's shapes."""
+    torch.manual_seed(seed)
+    return MultiHeadAttention(16, 32, 48, 0.0, 4, **({"num_kv_heads": 2} | kwargs)).eval()
+
+
+def python_twin(m):
+    """A copy of m that the plan sends down the Python path (an attribute a fresh module does
+    not hold): the module's own computation, to compare a fast path against."""
+    twin = copy.deepcopy(m)
+    twin.python_path = True
+    assert plan.native_module(twin) is None
+    return twin
+
+
+def decode(m, x, cache=None):
+    """x (b, t, d) fed one token per call through `cache` (default m.make_cache), each call
+    after its own fixed seed (so that dropout draws alike in two modules): (b, t, width)."""
+    cache = m.make_cache(x.shape[0]) if cache is None else cache
+    outputs = []
+    for i in range(x.shape[1]):
+        torch.manual_seed(100 + i)
+        outputs.append(m(x[:, i : i + 1], cache=cache))
+    return torch.cat(outputs, dim=1)
+
+
+def every_path(m, x):
+    """m's outputs for full forwards of 1, 6 and 40 tokens (the native step's, the blocked
+    projection's and the GEMM's row counts) and a decode of 6 tokens."""
+    with torch.no_grad():
+        outputs = [m(x[:, :t]) for t in (1, 6, 40)]
+        return [*outputs, decode(m, x[:, :6])]
+
+
+def assert_paths_close(got, want):
+    for name, a, b in zip(("1 token", "6 tokens", "40 tokens", "decode"), got, want, strict=True):
+        assert type(a) is type(b), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _non_contiguous(t):
+    """t's values held with other strides: a matrix column-major, a vector every second."""
+    if t.dim() == 2:
+        return t.t().contiguous().t()
+    return torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0]
+
+
+# The plan's contract, as native_module and native_decode state it: taken for the module as
+# built (each layout, rope or not, bias or not, a window, training without dropout), refused
+# for each condition it names.
+
+TAKEN = {
+    "plain": {},
+    "rope": {"rope": True},
+    "bias": {"qkv_bias": True},
+    "mha": {"num_kv_heads": 4},
+    "mqa": {"num_kv_heads": 1, "rope": True},
+    "window": {"window": 3},
+    "dropout in eval": {"dropout": 0.5},
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(TAKEN))
+def test_the_native_step_is_taken_for_the_module_as_built(case):
+    kwargs = dict(TAKEN[case])
+    dropout = kwargs.pop("dropout", 0.0)
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 32, 48, dropout, 4, **({"num_kv_heads": 2} | kwargs)).eval()
+    x = torch.randn(2, 1, 16)
+    with torch.no_grad():
+        cache = m.make_cache(2)
+        assert plan.native_module(m) is not None
+        assert plan.native_decode(m, x, cache) is not None
+        m(torch.randn(2, 5, 16), cache=cache)  # 5 tokens on: a rolling cache has wrapped
+        assert plan.native_decode(m, x, cache) is not None
+        unwindowed = build(**{k: v for k, v in kwargs.items() if k != "window"})
+        assert plan.native_decode(m, x, unwindowed.make_cache(2)) is not None  # window or not
+    assert plan.native_decode(m, x, cache) is None  # autograd would record the call
+    m.requires_grad_(False)  # frozen weights, grad mode on: nothing to record
+    assert plan.native_decode(m, x, cache) is not None
+
+
+@needs_native
+def test_training_without_dropout_takes_the_native_step_and_with_it_does_not():
+    m = build().train()
+    assert plan.native_module(m) is not None
+    m.dropout = 0.5
+    assert plan.native_module(m) is None
+    m.eval()
+    assert plan.native_module(m) is not None
+
+
+def _changed(m, **attributes):
+    """m with each attribute (a submodule, a flag) set, or with each rope table set."""
+    for name, value in attributes.items():
+        setattr(m.rope if name in ("cos", "sin") else m, name, value)
+    return m
+
+
+def _out_proj(bias=True, **where):
+    return nn.Linear(32, 32, bias=bias, **where)
+
+
+# each a module violating one condition the native step states (built in the test)
+REFUSED = {
+    "backend math": lambda: build(backend="math"),
+    "not causal": lambda: _changed(build(), causal=False),
+    "head_dim 6": lambda: MultiHeadAttention(16, 24, 48, 0.0, 4, num_kv_heads=2),
+    "float64": lambda: build().double(),
+    "float64 without biases": lambda: _changed(build(), out_proj=_out_proj(False)).double(),
+    "out_proj float64": lambda: _changed(build(), out_proj=_out_proj(dtype=torch.float64)),
+    "out_proj float64 without a bias": lambda: _changed(
+        build(), out_proj=_out_proj(False, dtype=torch.float64)
+    ),
+    "out_proj on meta": lambda: _changed(build(), out_proj=_out_proj(device="meta")),
+    "out_proj on meta without a bias": lambda: _changed(
+        build(), out_proj=_out_proj(False, device="meta")
+    ),
+    "a float64 bias": lambda: _changed(
+        build(), out_proj=_changed(_out_proj(), bias=nn.Parameter(torch.zeros(32).double()))
+    ),
+    "a bias on meta": lambda: _changed(
+        build(), out_proj=_changed(_out_proj(), bias=nn.Parameter(torch.zeros(32, device="meta")))
+    ),
+    "another rope": lambda: _changed(build(rope=True), rope=nn.Identity()),
+    "rope cos None": lambda: _changed(build(rope=True), cos=None),  # a buffer may hold None
+    "rope sin None": lambda: _changed(build(rope=True), sin=None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_the_native_step_is_refused_for_each_condition_it_states(case):
+    assert plan.native_module(REFUSED[case]()) is None
+
+
+@pytest.mark.parametrize("strided", ["weight", "bias"])
+def test_plain_linear_states_its_shapes_and_layout(strided):
+    """plain_linear(layer, (out, in)) on its own: the shape asked (out None: any width of
+    that input), contiguous parameters."""
+    layer = nn.Linear(16, 32)
+    assert plan.plain_linear(layer, (32, 16)) and plan.plain_linear(layer, (None, 16))
+    assert not plan.plain_linear(layer, (None, 8))  # another input width
+    assert not plan.plain_linear(layer, (16, 16)) and not plan.plain_linear(layer, (32, 8))
+    assert not plan.plain_linear(nn.Linear(16, 32, bias=False), (None, 8))
+    with torch.no_grad():
+        parameter = getattr(layer, strided)
+        setattr(layer, strided, nn.Parameter(_non_contiguous(parameter.detach())))
+    assert not plan.plain_linear(layer, (32, 16)) and not plan.plain_linear(layer, (None, 16))
+    squeezed = nn.Linear(16, 32)
+    squeezed.weight = nn.Parameter(torch.randn(32 * 16))
+    assert not plan.plain_linear(squeezed, (None, 16 * 32))
+
+
+# Dropout, the cache's window and the rotary tables: what the native step computes
+# otherwise.
+
+
+@needs_native
+def test_train_mode_decoding_applies_dropout_as_the_python_path_does():
+    """The native step applies no dropout: in training with dropout > 0 each decode step is
+    the module's Python path, dropout drawn as it draws it."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 32, 48, 0.5, 4, num_kv_heads=2).train()
+    twin = python_twin(m)
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        m(x)  # not the process's first call (the test below: it draws other numbers)
+        got, want = decode(m, x), decode(twin, x)
+        plain = decode(copy.deepcopy(m).eval(), x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, plain, atol=1e-3)  # dropout did change the outputs
+
+
+@needs_native
+def test_a_cache_keeping_a_wider_window_than_the_module_decodes_as_the_full_forward():
+    """forward accepts a cache that keeps more tokens than the module's window; the native
+    step would attend to all the cache holds (a rolling cache's keys are its window's)."""
+    m = build(window=3)
+    cache = build(window=5).make_cache(2)  # rolling, 5 tokens
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
+
+
+UNREAD_CACHES = {  # cache arguments beside make_cache's, and the decode's tolerance
+    "rows (tokens_last=False)": ({"tokens_last": False}, 1e-5),
+    "float16": ({"dtype": torch.float16}, 1e-2),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(UNREAD_CACHES))
+def test_a_cache_the_kernel_does_not_read_decodes_as_the_full_forward(case):
+    """forward takes a cache of rows, or of float16, on the CPU; the kernel reads neither."""
+    m = build(rope=True)
+    options, tolerance = UNREAD_CACHES[case]
+    cache = KVCache(2, 48, 2, 8, **options)
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        assert plan.native_decode(m, x[:, :1], cache) is None
+        torch.testing.assert_close(decode(m, x, cache), m(x), rtol=tolerance, atol=tolerance)
+
+
+TABLES = {
+    "cos strided": lambda cos, sin: (_non_contiguous(cos), sin),
+    "sin strided": lambda cos, sin: (cos, _non_contiguous(sin)),
+    "float64": lambda cos, sin: (cos.double(), sin.double()),
+    "a longer sin": lambda cos, sin: (cos, RotaryEmbedding(8, 96).sin),  # the same 48 rows
+}
+BAD_TABLES = {  # the Python path's error (the rope's own, or reading the shape), no write
+    "on meta": (lambda cos, sin: (cos.to("meta"), sin.to("meta")), ValueError),
+    "3-d": (lambda cos, sin: (cos[..., None], sin[..., None]), ValueError),  # forward's
+}
+
+
+@needs_native
+@pytest.mark.parametrize("change", sorted(TABLES) + sorted(BAD_TABLES))
+def test_rotary_tables_the_kernel_does_not_read_take_the_python_path(change):
+    """Tables replaced in the module's own rope: what the kernel does not read (strides,
+    dtype, shapes that differ, another device) is the Python path's, which equals the full
+    forward or raises its error before anything is written."""
+    m = build(rope=True, qkv_bias=True)
+    make, error = (TABLES[change], None) if change in TABLES else BAD_TABLES[change]
+    m.rope.cos, m.rope.sin = make(m.rope.cos, m.rope.sin)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        cache = m.make_cache(2)
+        assert plan.native_decode(m, x[:, :1], cache) is None
+        if error is None:
+            torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
+            return
+        with pytest.raises(error):
+            m(x[:, :1], cache=cache)
+    assert cache.position == 0
+
+
+UNTAKEN = {
+    "head_dim 6": dict(d_out=24, rope=True),
+    "query/key norms per head": dict(qk_norm="head", rope=True),
+    "query/key norms over the projection": dict(qk_norm="projection"),
+    "partial rotary": dict(rope=True, rotary_dim=4),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(UNTAKEN))
+def test_what_the_kernel_does_not_compute_decodes_as_the_full_forward(case):
+    """A head_dim that is not a multiple of 4, query/key norms, partial rotary positions:
+    the native step computes none of them, the Python path all."""
+    kwargs = dict(UNTAKEN[case])
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, kwargs.pop("d_out", 32), 48, 0.0, 4, num_kv_heads=2, **kwargs)
+    m.eval()
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        assert plan.native_decode(m, x[:, :1], m.make_cache(2)) is None
+        torch.testing.assert_close(decode(m, x), m(x), rtol=1e-5, atol=1e-5)
+
+
+# Contiguity: a non-contiguous parameter is the Python path's (the blocked product views the
+# weight in blocks of rows; the kernel reads contiguous tensors).
+
+
+@pytest.mark.parametrize("what", ["weight", "bias"])
+def test_non_contiguous_parameters_give_the_contiguous_ones_outputs_on_every_path(what):
+    m = build(rope=True, qkv_bias=True)
+    twin = copy.deepcopy(m)
+    for name in ("qkv_proj", "out_proj"):
+        layer = getattr(m, name)
+        strided = _non_contiguous(getattr(layer, what).detach())
+        assert not strided.is_contiguous()
+        setattr(layer, what, nn.Parameter(strided))
+    x = torch.randn(2, 40, 16)
+    assert_paths_close(every_path(m, x), every_path(twin, x))
+
+
+# A meta device and another dtype: the door's named errors, not the kernel's.
+
+
+OTHER_PROJECTION = {
+    "on meta": ({"device": "meta"}, ValueError, "out_proj's weight is on meta but x is on cpu"),
+    "float64": ({"dtype": torch.float64}, TypeError, "out_proj's weight is torch.float64"),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("case", sorted(OTHER_PROJECTION))
+def test_an_output_projection_elsewhere_is_the_doors_named_error_when_decoding(case, bias):
+    """Its weight on another device or in another dtype: forward's error, which names it,
+    not the kernel's (with no bias, the weight's own check is all that refuses it)."""
+    m = build()
+    where, error, match = OTHER_PROJECTION[case]
+    m.out_proj = nn.Linear(32, 32, bias=bias, **where)
+    with torch.no_grad():
+        cache = m.make_cache(1)
+        with pytest.raises(error, match=match):
+            m(torch.randn(1, 1, 16), cache=cache)
+    assert cache.position == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product gap: attention._check_projection_dtype checks a projection's weight, "
+    "not its bias; a bias in another dtype or on another device gives F.linear's raw "
+    "RuntimeError on every path",
+)
+@pytest.mark.parametrize("bias", ["float64", "meta"])
+def test_a_bias_in_another_dtype_or_on_another_device_is_a_named_error(bias):
+    m = build()
+    data = m.out_proj.bias.detach()
+    m.out_proj.bias = nn.Parameter(data.double() if bias == "float64" else data.to("meta"))
+    with torch.no_grad(), pytest.raises((TypeError, ValueError), match="out_proj"):
+        m(torch.randn(1, 1, 16), cache=m.make_cache(1))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: plan._fresh_state and plan._fresh_attention_state build an "
+    "nn.Linear / MultiHeadAttention on their first call, which draws from the global RNG: "
+    "the process's first forward after torch.manual_seed draws other dropout than the same "
+    "call later",
+)
+def test_the_first_call_in_a_process_draws_the_dropout_a_later_one_draws():
+    script = (
+        "import torch\n"
+        "from attnlab import MultiHeadAttention\n"
+        "m = MultiHeadAttention(16, 32, 48, 0.5, 4).train()\n"
+        "x = torch.randn(1, 5, 16)\n"
+        "with torch.no_grad():\n"
+        "    torch.manual_seed(0); first = m(x)\n"
+        "    torch.manual_seed(0); second = m(x)\n"
+        "print(torch.equal(first, second))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
+
+
+# Tensor subclasses: a parameter of a subclass, an input of one, a cache subclass.
+
+
+class DoubledLinear(torch.Tensor):
+    """A tensor subclass whose F.linear results are doubled (a quantised or sharded
+    tensor's own computation)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is F.linear else out
+
+
+class DoubledParameter(nn.Parameter):
+    """DoubledLinear as a parameter (a quantised weight's own class)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func is F.linear:
+            return out * 2
+        return out
+
+
+def _doubled_projections(m):
+    """m with every projection's weight and bias doubled: what F.linear doubled gives."""
+    doubled = copy.deepcopy(m)
+    with torch.no_grad():
+        for layer in (doubled.qkv_proj, doubled.out_proj):
+            layer.weight *= 2
+            layer.bias *= 2
+    return doubled
+
+
+@pytest.mark.parametrize("what", ["weight", "bias"])
+def test_a_parameter_of_a_tensor_subclass_computes_its_own_way_on_every_path(what):
+    m = build(rope=True, qkv_bias=True)
+    want = _doubled_projections(m)
+    for layer in (m.qkv_proj, m.out_proj):
+        tensor = getattr(layer, what).detach()
+        setattr(layer, what, DoubledParameter(tensor))
+    x = torch.randn(2, 40, 16)
+    got = [t.as_subclass(torch.Tensor) for t in every_path(m, x)]
+    assert_paths_close(got, every_path(want, x))
+
+
+def test_an_input_of_a_tensor_subclass_computes_its_own_way_on_every_path():
+    m = build(rope=True, qkv_bias=True)
+    want = _doubled_projections(m)
+    x = torch.randn(2, 40, 16)
+    with torch.no_grad():
+        got = [m(x[:, :t].as_subclass(DoubledLinear)) for t in (1, 6, 40)]
+        cache = m.make_cache(2)
+        steps = [m(x[:, i : i + 1].as_subclass(DoubledLinear), cache=cache) for i in range(6)]
+        got.append(torch.cat([s.as_subclass(torch.Tensor) for s in steps], dim=1))
+    got = [t.as_subclass(torch.Tensor) for t in got]
+    assert_paths_close(got, every_path(want, x))
+
+
+class CountingCache(KVCache):
+    """A KVCache subclass that counts its appends (a paged or offloading cache's own)."""
+
+    appends = 0
+
+    def append(self, k, v):
+        self.appends += 1
+        return super().append(k, v)
+
+
+@needs_native
+def test_a_cache_subclass_is_written_through_its_own_methods():
+    m = build(rope=True)
+    cache = CountingCache(2, 48, 2, 8)
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
+    assert cache.appends == 6
+
+
+@needs_native
+def test_a_stray_fused_projection_on_a_cross_attention_module_is_not_taken_for_its_own():
+    """A module whose keys and values come from a context (context_dim != d_in) holds
+    q_proj and kv_proj; a `qkv_proj` put beside them is not its projection: decoding it
+    still asks for its context."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 32, 48, 0.0, 4, num_kv_heads=2, context_dim=8).eval()
+    m.qkv_proj = nn.Linear(16, 64)
+    with torch.no_grad():
+        cache = m.make_cache(1)
+        with pytest.raises(ValueError, match="pass context"):
+            m(torch.randn(1, 1, 16), cache=cache)
+    assert cache.position == 0
+
+
+# Under torch.compile the plan takes the Python path: what compiled code traces.
+
+
+@needs_native
+def test_a_compiled_decode_step_traces_the_python_path_whole():
+    """The native step is a C++ call dynamo cannot trace (fullgraph would break)."""
+    torch._dynamo.reset()
+    m = build(rope=True)
+    x = torch.randn(2, 3, 16)
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = decode(compiled, x)
+        want = decode(m, x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_projection_is_the_layers_call_for_every_row_count():
+    """Compiled code fuses the projection itself; the blocked product's row-count test
+    would be a guard there (a second graph past 32 rows)."""
+    torch._dynamo.reset()
+    layer = nn.Linear(16, 32)
+    counter = CompileCounter()
+    project = torch.compile(
+        lambda x: plan.project(x, layer, (32, 16)), backend=counter, dynamic=True
+    )
+    with torch.no_grad():
+        for rows in (2, 8, 40):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(project(x), layer(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
