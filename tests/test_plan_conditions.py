@@ -325,12 +325,6 @@ def test_an_output_projection_elsewhere_is_the_doors_named_error_when_decoding(c
     assert cache.position == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap: attention._check_projection_dtype checks a projection's weight, "
-    "not its bias; a bias in another dtype or on another device gives F.linear's raw "
-    "RuntimeError on every path",
-)
 @pytest.mark.parametrize("bias", ["float64", "meta"])
 def test_a_bias_in_another_dtype_or_on_another_device_is_a_named_error(bias):
     m = build()
@@ -340,13 +334,6 @@ def test_a_bias_in_another_dtype_or_on_another_device_is_a_named_error(bias):
         m(torch.randn(1, 1, 16), cache=m.make_cache(1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: plan._fresh_state and plan._fresh_attention_state build an "
-    "nn.Linear / MultiHeadAttention on their first call, which draws from the global RNG: "
-    "the process's first forward after torch.manual_seed draws other dropout than the same "
-    "call later",
-)
 def test_the_first_call_in_a_process_draws_the_dropout_a_later_one_draws():
     script = (
         "import torch\n"

@@ -285,7 +285,7 @@ def test_a_static_cache_made_in_inference_mode_is_refused_outside_it_by_name():
     module = _module()
     with torch.inference_mode():
         cache = module.make_cache(1, 8, static=True)
-    with torch.no_grad(), pytest.raises(ValueError, match="made under torch.inference_mode"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"made under torch\.inference_mode"):
         module(torch.randn(1, 2, D_IN), cache=cache)
     assert cache.tokens == 0
     with torch.inference_mode():

@@ -835,14 +835,18 @@ def _check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
         return
     if not plan.pristine_linear(layer) or not plan.no_active_modes():
         return
-    weight = layer.weight
-    if weight.device != x.device:
-        raise ValueError(f"{name}'s weight is on {weight.device} but x is on {x.device}")
-    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(
-            f"{name}'s weight is {weight.dtype} but the module computes in {x.dtype} (x's and "
-            f"its first projection's dtype): convert the whole module, e.g. module.to({x.dtype})"
-        )
+    for part in ("weight", "bias"):
+        tensor = getattr(layer, part)
+        if tensor is None:
+            continue
+        if tensor.device != x.device:
+            raise ValueError(f"{name}'s {part} is on {tensor.device} but x is on {x.device}")
+        if tensor.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name}'s {part} is {tensor.dtype} but the module computes in {x.dtype} (x's "
+                f"and its first projection's dtype): convert the whole module, e.g. "
+                f"module.to({x.dtype})"
+            )
 
 
 def _sums_finite(x: torch.Tensor) -> bool:

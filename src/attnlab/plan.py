@@ -77,7 +77,8 @@ def no_active_modes() -> bool:
 def _fresh_state(module_class: type) -> frozenset[str]:
     """The instance attributes a freshly made module of `module_class` holds (nn.Linear,
     attnlab's RotaryEmbedding): anything beyond them is the user's or a tool's."""
-    fresh = nn.Linear(1, 1) if module_class is nn.Linear else RotaryEmbedding(2, 1)
+    # on meta: no random draw (the first forward's dropout stays what the seed gives)
+    fresh = nn.Linear(1, 1, device="meta") if module_class is nn.Linear else RotaryEmbedding(2, 1)
     return frozenset(fresh.__dict__)
 
 
@@ -87,8 +88,8 @@ def _fresh_attention_state() -> frozenset[str]:
     from attnlab.attention import MultiHeadAttention  # attention imports this module
 
     plain, rotary = (
-        MultiHeadAttention(4, 4, 4, 0.0, 1),
-        MultiHeadAttention(4, 4, 4, 0.0, 1, rope=True),
+        MultiHeadAttention(4, 4, 4, 0.0, 1, device="meta"),  # meta: no random draw
+        MultiHeadAttention(4, 4, 4, 0.0, 1, rope=True, device="meta"),
     )
     return frozenset(plain.__dict__) | frozenset(rotary.__dict__)
 

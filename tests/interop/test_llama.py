@@ -242,5 +242,5 @@ def test_a_masked_call_off_the_cpu_reads_no_value_of_the_mask(monkeypatch):
     mask = torch.ones(5, 5, dtype=torch.bool, device="meta").triu(1)  # the book's: True hides
     assert wrapped._allowed(mask, 5).shape == (5, 5)
     monkeypatch.setattr(debug, "reads_values", lambda t: True)
-    with pytest.raises(RuntimeError, match="(?i)meta"):  # aten::equal reads values
+    with pytest.raises(RuntimeError, match=r"(?i)meta"):  # aten::equal reads values
         wrapped._allowed(mask, 5)
