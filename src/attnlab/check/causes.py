@@ -20,6 +20,7 @@ or other positions computed in the forward).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -196,19 +197,27 @@ def _is_fill(expr: ast.expr) -> bool:
 
 
 def _class_suspects(cls: type, instance: nn.Module) -> list[Suspect]:
-    try:
-        lines, start = inspect.getsourcelines(cls)
-        file = inspect.getsourcefile(cls) or "<unknown>"
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        found = _class_from_forward(cls)  # a file imported outside sys.modules (the CLI)
-        if found is None:
-            return []  # defined in a REPL, compiled, or not Python source
-        tree, file, start = found
+    found = _class_source(cls)
+    if found is None:
+        return []  # defined in a REPL, compiled, or not Python source
+    tree, file, start = found
     where = _short(file)
     visitor = _Visitor(where, start - 1, instance)
     visitor.visit(tree)
     return [Suspect("source_read", where, start, cls.__name__), *visitor.found]
+
+
+@functools.lru_cache(maxsize=256)
+def _class_source(cls: type) -> tuple[ast.AST, str, int] | None:
+    """(the class's ast, its file, its first line), read once per class: an audit asks
+    several times (the causes of a leak, of a mismatch, of a NaN), and finding a class in a
+    long file (x-transformers' 3000 lines) takes a second each time."""
+    try:
+        lines, start = inspect.getsourcelines(cls)
+        file = inspect.getsourcefile(cls) or "<unknown>"
+        return ast.parse(textwrap.dedent("".join(lines))), file, start
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return _class_from_forward(cls)  # a file imported outside sys.modules (the CLI)
 
 
 def _class_from_forward(cls: type) -> tuple[ast.AST, str, int] | None:
