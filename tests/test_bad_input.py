@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from attnlab import alibi, book, functional, interop, masks, rope
 from attnlab._validate import MAX_SIZE
 from attnlab.kv_cache import KVCache
 from attnlab.parallel import ring_attention, shard_sequence, tensor_parallel
+from attnlab.static_cache import StaticKVCache
 
 ERROR, SAME, MISSING = "error", "same", "missing file"
 D, HEADS, T = 8, 2, 4  # small sizes keep the whole table in seconds
@@ -363,10 +365,10 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         seeded(attnlab.MultiHeadAttention),
         lambda: {"d_in": D, "d_out": D, "context_length": 16, "dropout": 0.0, "num_heads": HEADS},
         {
-            "d_in": int_cases(),
-            "d_out": int_cases(),
-            "context_length": int_cases(),
-            "num_heads": int_cases(),
+            "d_in": size_cases(),
+            "d_out": size_cases(),
+            "context_length": size_cases(),
+            "num_heads": size_cases(),
             "dropout": float_cases(),
             "qkv_bias": BOOL_CASES,
             "causal": BOOL_CASES,
@@ -390,7 +392,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
             "context_dim": 6,
             "window": 4,
         },
-        {"num_kv_heads": int_cases(), "context_dim": int_cases(), "window": int_cases()},
+        {"num_kv_heads": size_cases(), "context_dim": size_cases(), "window": int_cases()},
         {},
     ),
     (
@@ -454,7 +456,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         "MultiHeadAttention.make_cache",
         mha_make_cache,
         lambda: {"batch_size": 2, "max_tokens": 8},
-        {"batch_size": int_cases(), "max_tokens": int_cases(), "dtype": dtype_cases()},
+        {"batch_size": size_cases(), "max_tokens": size_cases(), "dtype": dtype_cases()},
         {},
     ),
     (
@@ -468,10 +470,10 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
             "window": 4,
         },
         {
-            "batch_size": int_cases(),
-            "max_tokens": int_cases(),
-            "num_kv_heads": int_cases(),
-            "head_dim": int_cases(),
+            "batch_size": size_cases(),
+            "max_tokens": size_cases(),
+            "num_kv_heads": size_cases(),
+            "head_dim": size_cases(),
             "window": int_cases(),
             "dtype": dtype_cases(),
             "device": other_cases(("unknown", "nowhere")),
@@ -482,14 +484,14 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         "KVCache.crop",
         kv_method("crop"),
         lambda: {"num_tokens": 2},
-        {"num_tokens": int_cases(0)},
+        {"num_tokens": size_cases(0)},
         {},
     ),
     (
         "KVCache.check_room",
         kv_method("check_room"),
         lambda: {"num_new": 2},
-        {"num_new": int_cases()},
+        {"num_new": size_cases()},
         {},
     ),
     (
@@ -520,7 +522,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
                 ("head_dim", lambda t: t[..., :6], ERROR, None),
                 ("too-long", lambda t: torch.cat([t] * 5, dim=2), ERROR, None),
             ],
-            "start": int_cases(0),
+            "start": size_cases(0),
         },
         {},
     ),
@@ -563,7 +565,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         alibi.slopes,
         lambda: {"num_heads": 6},
         # past the bound: tests/test_masks.py, under an alarm (the old code's hang)
-        {"num_heads": int_cases()},
+        {"num_heads": size_cases()},
         {},
     ),
     (
@@ -724,7 +726,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         "interop.from_torch",
         interop.from_torch,
         lambda: {"m": torch_mha(), "context_length": 16},
-        {"m": other_cases(("linear", nn.Linear(2, 2))), "context_length": int_cases()},
+        {"m": other_cases(("linear", nn.Linear(2, 2))), "context_length": size_cases()},
         {},
     ),
     (
@@ -754,7 +756,7 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
                 ("3-D", lambda m: m[None], ERROR, None),
                 *VIEW_CASES,
             ],
-            "num_heads": int_cases(),
+            "num_heads": size_cases(),
         },
         {},
     ),
@@ -763,9 +765,9 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         seeded(book.CausalAttention),
         lambda: {"d_in": 3, "d_out": 2, "context_length": 6, "dropout": 0.0, "qkv_bias": False},
         {
-            "d_in": int_cases(),
-            "d_out": int_cases(),
-            "context_length": int_cases(),
+            "d_in": size_cases(),
+            "d_out": size_cases(),
+            "context_length": size_cases(),
             "dropout": float_cases(),
             "qkv_bias": BOOL_CASES,
         },
@@ -776,8 +778,8 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         seeded(book.MultiHeadAttention),
         lambda: {"d_in": 3, "d_out": 4, "context_length": 6, "dropout": 0.0, "num_heads": 2},
         {
-            "d_in": int_cases(),
-            "d_out": int_cases(),
+            "d_in": size_cases(),
+            "d_out": size_cases(),
             "num_heads": size_cases(),
             "dropout": float_cases(),
         },
@@ -787,14 +789,14 @@ TABLE: list[tuple[str, Callable, Callable[[], dict], dict, dict]] = [
         "book.MultiHeadAttentionWrapper",
         seeded(book.MultiHeadAttentionWrapper),
         lambda: {"d_in": 3, "d_out": 2, "context_length": 6, "dropout": 0.0, "num_heads": 2},
-        {"d_in": int_cases(), "num_heads": int_cases(), "dropout": float_cases()},
+        {"d_in": size_cases(), "num_heads": size_cases(), "dropout": float_cases()},
         {},
     ),
     (
         "book.SelfAttention_v1",
         seeded(book.SelfAttention_v1),
         lambda: {"d_in": 3, "d_out": 2},
-        {"d_in": int_cases(), "d_out": int_cases()},
+        {"d_in": size_cases(), "d_out": size_cases()},
         {},
     ),
     (
@@ -931,3 +933,31 @@ def test_the_table_holds_under_python_dash_o():
     )
     if result.returncode != 0:
         fail(f"under python -O:\n{result.stdout[-4000:]}{result.stderr[-2000:]}")
+
+
+HUGE = 2**30  # each factor within MAX_SIZE; their product is not
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        (lambda: attnlab.MultiHeadAttention(HUGE, HUGE, 16, 0.0, 2), "d_in x d_out"),
+        (
+            lambda: attnlab.MultiHeadAttention(8, HUGE, 16, 0.0, 2, context_dim=HUGE),
+            "context_dim x d_out",
+        ),
+        (lambda: attnlab.KVCache(HUGE, HUGE, 2, 4), "batch_size x num_kv_heads"),
+        (lambda: attnlab.KVCache(2, HUGE, HUGE, 4, window=2**62), "x capacity x"),
+        (lambda: StaticKVCache(HUGE, HUGE, 2, 4), "batch_size x num_kv_heads"),
+        (lambda: book.CausalAttention(3, 2, HUGE, 0.0), "context_length x context_length"),
+        (lambda: book.MultiHeadAttention(3, 2, HUGE, 0.0, 1), "context_length x context_length"),
+        (lambda: book.SelfAttention_v2(HUGE, HUGE), "d_in x d_out"),
+        (lambda: book.causal_future_mask(HUGE), "num_tokens x num_tokens"),
+        (lambda: book.additive_causal_mask(HUGE), "num_tokens x num_tokens"),
+    ],
+)
+def test_a_product_of_sizes_past_the_bound_is_named(build, names):
+    """Sizes each within MAX_SIZE whose tensor would hold more than MAX_SIZE elements: a
+    ValueError naming the factors, before torch's "Storage size calculation overflowed"."""
+    with pytest.raises(ValueError, match=re.escape(names)):
+        build()

@@ -69,6 +69,26 @@ def check_size(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
+def check_product(names: str, *sizes: int) -> int:
+    """Return the product of checked sizes if it is at most MAX_SIZE (a tensor's elements).
+
+    Args:
+        names: the factors' names joined by " x ", e.g. "batch_size x max_tokens".
+        *sizes: the factors, each already checked by check_size.
+
+    Returns:
+        The product, as a Python int.
+
+    Raises:
+        ValueError: the product is past MAX_SIZE (2**40).
+    """
+    product = math.prod(sizes)
+    if isinstance(product, torch.SymInt):  # traced: formatting would specialise the trace
+        return product
+    factors = " x ".join(str(size) for size in sizes)
+    return check_size(f"{names} ({factors})", product, minimum=0)
+
+
 def check_bool(name: str, value: object) -> bool:
     """Return `value` if it is a bool (a string such as "no" would silently mean True)."""
     if not isinstance(value, bool):

@@ -28,6 +28,8 @@ from attnlab._validate import (
     check_float_dtype,
     check_int,
     check_like_parameter,
+    check_product,
+    check_size,
     check_tensor,
 )
 from attnlab.kv_cache import BLOCK_TOKENS, KVCache
@@ -123,21 +125,23 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         dtype = None if dtype is None else check_float_dtype("dtype", dtype)
         factory = {"device": check_device("device", device), "dtype": dtype}
-        self.d_in = check_int("d_in", d_in)
-        self.d_out = check_int("d_out", d_out)
-        self.context_length = check_int("context_length", context_length)
+        self.d_in = check_size("d_in", d_in)
+        self.d_out = check_size("d_out", d_out)
+        check_product("d_in x d_out", self.d_in, self.d_out)
+        self.context_length = check_size("context_length", context_length)
         self.dropout = check_dropout("dropout", dropout)
-        self.num_heads = check_int("num_heads", num_heads)
+        self.num_heads = check_size("num_heads", num_heads)
         check_divides("num_heads", num_heads, "d_out", d_out)
-        self.num_kv_heads = check_int(
+        self.num_kv_heads = check_size(
             "num_kv_heads", self.num_heads if num_kv_heads is None else num_kv_heads
         )
         check_divides("num_kv_heads", self.num_kv_heads, "num_heads", num_heads)
         self.qkv_bias = check_bool("qkv_bias", qkv_bias)
         self.causal = check_bool("causal", causal)
         self.context_dim = (
-            self.d_in if context_dim is None else check_int("context_dim", context_dim)
+            self.d_in if context_dim is None else check_size("context_dim", context_dim)
         )
+        check_product("context_dim x d_out", self.context_dim, self.d_out)
         self.window = None if window is None else check_int("window", window)
         if window is not None and not causal:
             raise ValueError(f"window ({window}) needs causal=True: it keeps the most recent keys")
@@ -146,7 +150,7 @@ class MultiHeadAttention(nn.Module):
         self.rope = None
         rope = check_bool("rope", rope)
         self.rope_scaling = rope_scaling_.check_scaling(rope_scaling)
-        self.rotary_dim = None if rotary_dim is None else check_int("rotary_dim", rotary_dim)
+        self.rotary_dim = None if rotary_dim is None else check_size("rotary_dim", rotary_dim)
         if not rope and (self.rope_scaling is not None or self.rotary_dim is not None):
             raise ValueError("rope_scaling and rotary_dim need rope=True")
         if rope:

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from attnlab import masks
-from attnlab._validate import check_bool, check_device, check_int
+from attnlab._validate import check_bool, check_device, check_int, check_product, check_size
 
 COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
 BLOCK_TOKENS = 256  # tokens per block where the native decode step reads the cache
@@ -89,19 +89,23 @@ class KVCache:
         block_tokens: int | None = None,
         tokens_last: bool = True,
     ) -> None:
-        self.batch_size = check_int("batch_size", batch_size)
-        self.max_tokens = check_int("max_tokens", max_tokens)
-        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
-        self.head_dim = check_int("head_dim", head_dim)
+        self.batch_size = check_size("batch_size", batch_size)
+        self.max_tokens = check_size("max_tokens", max_tokens)
+        self.num_kv_heads = check_size("num_kv_heads", num_kv_heads)
+        self.head_dim = check_size("head_dim", head_dim)
         self.window = None if window is None else check_int("window", window)
         self.capacity = self.max_tokens if window is None else min(self.window, self.max_tokens)
+        check_product(
+            "batch_size x num_kv_heads x capacity x head_dim",
+            *(self.batch_size, self.num_kv_heads, self.capacity, self.head_dim),
+        )
         dtype = check_storage_dtype(dtype)
         device = check_device("device", device)
         shape = (batch_size, num_kv_heads, head_dim * self.capacity)  # blocks of (hd, tokens)
         self._keys_t = torch.zeros(shape, dtype=dtype, device=device)
         self._values_t = torch.zeros(shape, dtype=dtype, device=device)
         self.block = (
-            self.capacity if block_tokens is None else check_int("block_tokens", block_tokens)
+            self.capacity if block_tokens is None else check_size("block_tokens", block_tokens)
         )
         self.tokens_last = check_bool("tokens_last", tokens_last)
         if not tokens_last and block_tokens is not None:
@@ -281,7 +285,7 @@ class KVCache:
     def crop(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (to drop rejected draft tokens or
         re-decode from a point). A rolling cache that has overwritten some of them cannot."""
-        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        num_tokens = check_size("num_tokens", num_tokens, minimum=0)
         if num_tokens > self.position:
             raise ValueError(
                 f"num_tokens ({num_tokens}) is more than the cache holds ({self.position})"
@@ -303,7 +307,7 @@ class KVCache:
             ValueError: they do not fit, or num_new is not an int >= 1 (TypeError for a
                 non-integer).
         """
-        num_new = check_int("num_new", num_new)
+        num_new = check_size("num_new", num_new)
         if not self.rolling and self.position + num_new > self.capacity:
             raise ValueError(
                 f"the cache holds {self.position} of at most max_tokens ({self.max_tokens}) "

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from attnlab._validate import check_device, check_int, check_size
+from attnlab._validate import check_device, check_size
 
 NARROWER = (torch.bfloat16, torch.float16)  # stored narrower than given, read back wider
 
@@ -187,7 +187,7 @@ class LatentCache:
         Raises:
             ValueError: more than the cache holds, or negative (TypeError: not an int).
         """
-        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        num_tokens = check_size("num_tokens", num_tokens, minimum=0)
         if num_tokens > self.position:
             raise ValueError(
                 f"num_tokens ({num_tokens}) is more than the cache holds ({self.position})"
@@ -203,7 +203,7 @@ class LatentCache:
         Raises:
             ValueError: they do not fit, or num_new < 1 (TypeError: not an int).
         """
-        num_new = check_int("num_new", num_new)
+        num_new = check_size("num_new", num_new)
         if self.position + num_new > self.capacity:
             raise ValueError(
                 f"the cache holds {self.position} of at most max_tokens ({self.max_tokens}) "

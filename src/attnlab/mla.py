@@ -50,7 +50,6 @@ from attnlab._validate import (
     check_finite,
     check_float,
     check_float_dtype,
-    check_int,
     check_like_parameter,
     check_size,
     check_tensor,
@@ -285,7 +284,7 @@ class MultiHeadLatentAttention(nn.Module):
         dtype = weight.dtype if dtype is None else dtype  # LatentCache checks it
         device = weight.device if device is None else check_device("device", device)
         max_tokens = self.context_length if max_tokens is None else max_tokens
-        if check_int("max_tokens", max_tokens) > self.context_length:
+        if check_size("max_tokens", max_tokens) > self.context_length:
             raise ValueError(
                 f"max_tokens ({max_tokens}) is past context_length ({self.context_length}): "
                 f"the module takes no position beyond it"

@@ -17,7 +17,6 @@ from torch import nn
 from attnlab import debug, rope_scaling
 from attnlab._validate import (
     check_float,
-    check_int,
     check_same_device,
     check_size,
     check_tensor,
@@ -131,7 +130,7 @@ class RotaryEmbedding(nn.Module):
         check_same_device(x=x, rotary_tables=self.cos)
         if isinstance(start, torch.Tensor):
             return self.rotate_at(x, self._checked_positions(start, x.shape[-2]))
-        start = check_int("start", start, minimum=0)
+        start = check_size("start", start, minimum=0)
         end = start + x.shape[-2]
         if end > self.max_positions:
             raise ValueError(

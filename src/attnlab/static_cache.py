@@ -29,7 +29,7 @@ import torch
 import torch._dynamo
 
 from attnlab import kv_cache
-from attnlab._validate import check_device, check_int
+from attnlab._validate import check_device, check_product, check_size
 
 
 class StaticKVCache:
@@ -65,10 +65,14 @@ class StaticKVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        self.batch_size = check_int("batch_size", batch_size)
-        self.max_tokens = check_int("max_tokens", max_tokens)
-        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
-        self.head_dim = check_int("head_dim", head_dim)
+        self.batch_size = check_size("batch_size", batch_size)
+        self.max_tokens = check_size("max_tokens", max_tokens)
+        self.num_kv_heads = check_size("num_kv_heads", num_kv_heads)
+        self.head_dim = check_size("head_dim", head_dim)
+        check_product(
+            "batch_size x num_kv_heads x max_tokens x head_dim",
+            *(self.batch_size, self.num_kv_heads, self.max_tokens, self.head_dim),
+        )
         dtype = kv_cache.check_storage_dtype(dtype)
         device = check_device("device", device)
         shape = (batch_size, num_kv_heads, max_tokens, head_dim)
@@ -149,7 +153,7 @@ class StaticKVCache:
         Raises:
             ValueError: more than the cache holds, or negative (TypeError: not an int).
         """
-        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        num_tokens = check_size("num_tokens", num_tokens, minimum=0)
         self.sync_tokens()
         if num_tokens > self.tokens:
             raise ValueError(
@@ -166,7 +170,7 @@ class StaticKVCache:
             ValueError: they do not fit, or num_new is not an int >= 1 (TypeError for a
                 non-integer).
         """
-        num_new = check_int("num_new", num_new)
+        num_new = check_size("num_new", num_new)
         self.sync_tokens()
         if self.tokens + num_new > self.max_tokens:
             raise ValueError(

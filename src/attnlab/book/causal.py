@@ -14,8 +14,9 @@ from torch import nn
 from attnlab._validate import (
     check_bool,
     check_dropout,
-    check_int,
     check_like_module,
+    check_product,
+    check_size,
     check_tensor,
     check_tokens,
 )
@@ -53,7 +54,8 @@ def causal_keep_mask(num_tokens: int) -> torch.Tensor:
                 [1., 1., 0.],
                 [1., 1., 1.]])
     """
-    n = check_int("num_tokens", num_tokens)
+    n = check_size("num_tokens", num_tokens)
+    check_product("num_tokens x num_tokens", n, n)
     return torch.tril(torch.ones(n, n))
 
 
@@ -73,7 +75,8 @@ def causal_future_mask(num_tokens: int) -> torch.Tensor:
         TypeError: num_tokens is not an int.
         ValueError: num_tokens < 1.
     """
-    n = check_int("num_tokens", num_tokens)
+    n = check_size("num_tokens", num_tokens)
+    check_product("num_tokens x num_tokens", n, n)
     return torch.triu(torch.ones(n, n), diagonal=1)
 
 
@@ -91,7 +94,8 @@ def additive_causal_mask(num_tokens: int) -> torch.Tensor:
         TypeError: num_tokens is not an int.
         ValueError: num_tokens < 1.
     """
-    n = check_int("num_tokens", num_tokens)
+    n = check_size("num_tokens", num_tokens)
+    check_product("num_tokens x num_tokens", n, n)
     mask = torch.tril(torch.ones(n, n) * (-1) * float("inf"), diagonal=-1)  # -inf below
     return mask.t()  # -inf above the diagonal
 
@@ -114,7 +118,7 @@ def causal_weights_renormalised(attn_scores: torch.Tensor, d_k: int) -> torch.Te
         ValueError: attn_scores not 2-D to 4-D or not square, or d_k < 1.
     """
     attn_scores = _check_scores(attn_scores)
-    attn_weights = scaled_softmax(attn_scores, check_int("d_k", d_k))
+    attn_weights = scaled_softmax(attn_scores, check_size("d_k", d_k))
     masked_simple = attn_weights * causal_keep_mask(attn_scores.shape[-1]).to(attn_weights)
     row_sums = masked_simple.sum(dim=-1, keepdim=True)
     return masked_simple / row_sums
@@ -152,7 +156,7 @@ def causal_weights_neg_inf(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
         TypeError: attn_scores is not a floating-point tensor, or d_k not an int.
         ValueError: attn_scores not 2-D to 4-D or not square, or d_k < 1.
     """
-    return scaled_softmax(mask_future_scores(attn_scores), check_int("d_k", d_k))
+    return scaled_softmax(mask_future_scores(attn_scores), check_size("d_k", d_k))
 
 
 def causal_weights_additive(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
@@ -171,7 +175,7 @@ def causal_weights_additive(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor
     """
     attn_scores = _check_scores(attn_scores)
     masked = attn_scores + additive_causal_mask(attn_scores.shape[-1]).to(attn_scores)
-    return scaled_softmax(masked, check_int("d_k", d_k))
+    return scaled_softmax(masked, check_size("d_k", d_k))
 
 
 class CausalAttention(nn.Module):
@@ -209,9 +213,11 @@ class CausalAttention(nn.Module):
         qkv_bias: bool = False,
     ) -> None:
         super().__init__()
-        self.d_in = check_int("d_in", d_in)
-        self.d_out = check_int("d_out", d_out)
-        self.context_length = check_int("context_length", context_length)
+        self.d_in = check_size("d_in", d_in)
+        self.d_out = check_size("d_out", d_out)
+        check_product("d_in x d_out", self.d_in, self.d_out)
+        self.context_length = check_size("context_length", context_length)
+        check_product("context_length x context_length", *(self.context_length,) * 2)
         check_dropout("dropout", dropout)
         check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)

@@ -15,8 +15,8 @@ from attnlab._validate import (
     check_bool,
     check_divides,
     check_dropout,
-    check_int,
     check_like_module,
+    check_product,
     check_size,
     check_tensor,
     check_tokens,
@@ -116,9 +116,11 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool = False,
     ) -> None:
         super().__init__()
-        self.d_in = check_int("d_in", d_in)
-        self.d_out = check_int("d_out", d_out)
-        self.context_length = check_int("context_length", context_length)
+        self.d_in = check_size("d_in", d_in)
+        self.d_out = check_size("d_out", d_out)
+        check_product("d_in x d_out", self.d_in, self.d_out)
+        self.context_length = check_size("context_length", context_length)
+        check_product("context_length x context_length", *(self.context_length,) * 2)
         self.num_heads = check_size("num_heads", num_heads)
         check_divides("num_heads", num_heads, "d_out", d_out)
         check_dropout("dropout", dropout)

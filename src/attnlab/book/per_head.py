@@ -18,8 +18,8 @@ from torch import nn
 
 from attnlab._validate import (
     check_broadcasts_to,
-    check_int,
     check_like_module,
+    check_size,
     check_tensor,
 )
 
@@ -50,14 +50,14 @@ class MultiHeadSelfAttention(nn.Module):
         self, D: int, kdim: int | None = None, vdim: int | None = None, heads: int = 1
     ) -> None:
         super().__init__()
-        self._D = check_int("D", D)
-        self._heads = check_int("heads", heads)
+        self._D = check_size("D", D)
+        self._heads = check_size("heads", heads)
         if heads > D and (kdim is None or vdim is None):
             raise ValueError(
                 f"heads ({heads}) must be <= D ({D}) when kdim or vdim defaults to D // heads"
             )
-        self._kdim = check_int("kdim", kdim) if kdim is not None else self._D // self._heads
-        self._vdim = check_int("vdim", vdim) if vdim is not None else self._D // self._heads
+        self._kdim = check_size("kdim", kdim) if kdim is not None else self._D // self._heads
+        self._vdim = check_size("vdim", vdim) if vdim is not None else self._D // self._heads
         for h in range(self._heads):
             setattr(self, f"_wq_h{h}", nn.Parameter(torch.randn(self._D, self._kdim)))
             setattr(self, f"_wk_h{h}", nn.Parameter(torch.randn(self._D, self._kdim)))
@@ -77,7 +77,7 @@ class MultiHeadSelfAttention(nn.Module):
             TypeError: h is not an int.
             ValueError: h outside [0, heads).
         """
-        check_int("h", h, minimum=0)
+        check_size("h", h, minimum=0)
         if h >= self._heads:
             raise ValueError(f"h ({h}) must be < heads ({self._heads})")
         return getattr(self, f"_wq_h{h}"), getattr(self, f"_wk_h{h}"), getattr(self, f"_wv_h{h}")

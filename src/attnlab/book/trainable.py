@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab._validate import check_bool, check_int, check_like_module, check_tensor
+from attnlab._validate import check_bool, check_like_module, check_product, check_size, check_tensor
 
 
 def _check_x(x: object, module: nn.Module) -> torch.Tensor:
@@ -39,7 +39,7 @@ def scaled_softmax(attn_scores: torch.Tensor, d_k: int) -> torch.Tensor:
         TypeError: d_k is not an int.
         ValueError: d_k < 1.
     """
-    d_k = check_int("d_k", d_k)
+    d_k = check_size("d_k", d_k)
     return torch.softmax(attn_scores / d_k**0.5, dim=-1)
 
 
@@ -63,8 +63,9 @@ class SelfAttention_v1(nn.Module):  # noqa: N801 - the book's name
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
-        self.d_in = check_int("d_in", d_in)
-        self.d_out = check_int("d_out", d_out)
+        self.d_in = check_size("d_in", d_in)
+        self.d_out = check_size("d_out", d_out)
+        check_product("d_in x d_out", self.d_in, self.d_out)
         self.W_query = nn.Parameter(torch.rand(d_in, d_out))
         self.W_key = nn.Parameter(torch.rand(d_in, d_out))
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
@@ -108,8 +109,9 @@ class SelfAttention_v2(nn.Module):  # noqa: N801 - the book's name
 
     def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False) -> None:
         super().__init__()
-        self.d_in = check_int("d_in", d_in)
-        self.d_out = check_int("d_out", d_out)
+        self.d_in = check_size("d_in", d_in)
+        self.d_out = check_size("d_out", d_out)
+        check_product("d_in x d_out", self.d_in, self.d_out)
         check_bool("qkv_bias", qkv_bias)
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -217,7 +219,7 @@ def attention_for_query(
             f"W_query ({W_query.shape[1]} columns) and W_key ({W_key.shape[1]}) "
             f"must project to the same width"
         )
-    check_int("query_index", query_index, minimum=0)
+    check_size("query_index", query_index, minimum=0)
     if query_index >= tokens:
         raise ValueError(f"query_index ({query_index}) must be < the number of tokens ({tokens})")
     x_i = inputs[query_index]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from attnlab import book
-from attnlab._validate import check_int
+from attnlab._validate import check_size
 from attnlab.explore import hf
 from attnlab.explore import inputs as inputs_
 from attnlab.explore.chapter import chapter_capture
@@ -79,8 +79,8 @@ def explore(
             path nor a model in the local Hugging Face cache (a ValueError and an OSError),
             said at once.
     """
-    max_tokens = check_int("max_tokens", max_tokens)
-    max_cells = check_int("max_cells", max_cells)
+    max_tokens = check_size("max_tokens", max_tokens)
+    max_cells = check_size("max_cells", max_cells)
     choose_bits(precision, 0)
     if causal is not None and not isinstance(causal, bool):
         raise TypeError(f"causal must be None, True or False, got {causal!r}")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from attnlab import masks, qkv
-from attnlab._validate import check_int
+from attnlab._validate import check_size
 from attnlab.attention import MultiHeadAttention
 
 DEFAULT_CONTEXT_LENGTH = 8192
@@ -47,7 +47,7 @@ def from_torch(
     module = MultiHeadAttention(
         m.embed_dim,
         m.embed_dim,
-        check_int("context_length", context_length),
+        check_size("context_length", context_length),
         m.dropout,
         m.num_heads,
         qkv_bias=has_bias,
@@ -189,7 +189,7 @@ def _per_head(attn_mask: object, num_heads: int | None) -> object:
             f"a 3-D attn_mask {tuple(attn_mask.shape)} is (batch * num_heads, queries, keys): "
             f"pass num_heads"
         )
-    check_int("num_heads", num_heads)
+    check_size("num_heads", num_heads)
     if attn_mask.shape[0] % num_heads != 0:
         raise ValueError(
             f"attn_mask's first dimension ({attn_mask.shape[0]}) is not batch * num_heads "
