@@ -170,3 +170,64 @@ def test_a_rotary_scaling_attnlab_does_not_compute_is_refused():
     layer.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         from_deepseek_v3_attention(layer)
+
+
+def _model(q_lora_rank, scaling):
+    """A small DeepseekV3ForCausalLM (a dense layer, then mixture-of-experts layers), eager,
+    with its random initial weights."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0} | (scaling or {})
+    config = DeepseekV3Config(
+        vocab_size=100,
+        hidden_size=D_MODEL,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=6,
+        v_head_dim=12,
+        max_position_embeddings=64,
+        rope_parameters=rope,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    ("q_lora_rank", "scaling"), [(None, None), (24, YARN_FACTOR)], ids=["plain-q", "lora-yarn"]
+)
+def test_a_model_with_every_attention_layer_converted_equals_its_eager_self(q_lora_rank, scaling):
+    """hf.swap_attention puts a MultiHeadLatentAttention in every layer of a whole
+    DeepSeek-V3 model; its logits equal the eager model's, left padding included."""
+    import copy
+
+    from attnlab.interop import hf
+
+    eager = _model(q_lora_rank, scaling)
+    ours = copy.deepcopy(eager)
+    assert hf.swap_attention(ours) == 3
+    assert all(
+        isinstance(d.self_attn.attention, MultiHeadLatentAttention) for d in ours.model.layers
+    )
+    ids = torch.randint(1, 100, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 24, dtype=torch.long)
+    mask[1, :4], mask[2, :15] = 0, 0
+    with torch.no_grad():
+        plain = ours(ids, use_cache=False).logits, eager(ids, use_cache=False).logits
+        padded = (
+            ours(ids, attention_mask=mask, use_cache=False).logits,
+            eager(ids, attention_mask=mask, use_cache=False).logits,
+        )
+    torch.testing.assert_close(*plain, atol=1e-5, rtol=1e-5)
+    real = mask.bool()
+    torch.testing.assert_close(padded[0][real], padded[1][real], atol=1e-5, rtol=1e-5)

@@ -775,7 +775,7 @@ def test_what_attnlabs_layer_does_not_compute_is_refused_by_name():
     llama = AutoModelForCausalLM.from_config(dynamic, attn_implementation="eager")
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         hf.from_llama_attention(llama.model.layers[0].self_attn)
-    with pytest.raises(ValueError, match="holds no Llama-style attention layer"):
+    with pytest.raises(ValueError, match="holds no Llama-style or DeepSeek-V3 attention layer"):
         hf.swap_attention(torch.nn.Linear(2, 2))
 
 

@@ -94,6 +94,15 @@ def to_deepseek_v3_attention(module: MultiHeadLatentAttention, layer: nn.Module)
     return layer
 
 
+def is_deepseek_v3_attention(layer: object) -> bool:
+    """Whether `layer` has a DeepseekV3Attention's parts (what swap_attention converts)."""
+    if not isinstance(layer, nn.Module):
+        return False
+    lora = getattr(layer, "q_lora_rank", None) is not None
+    parts = _PARTS + (_LORA_PARTS if lora else ("q_proj",))
+    return all(getattr(layer, name, None) is not None for name in parts)
+
+
 def _copy(
     source: nn.Module, target: nn.Module, module: MultiHeadLatentAttention, *, to_layer: bool
 ) -> None:

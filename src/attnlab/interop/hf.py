@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from attnlab import functional, masks, qkv
 from attnlab.attention import MultiHeadAttention
+from attnlab.mla import MultiHeadLatentAttention
 
 NAME = "attnlab"
 MARKER = "__attnlab_attention__"  # on attention_forward; functools.wraps copies it
@@ -669,15 +670,16 @@ class SwappedAttention(nn.Module):
     its own KVCache, MultiHeadAttention.make_cache).
 
     Args:
-        attention: the converted layer (from_llama_attention).
+        attention: the converted layer (from_llama_attention, or
+            deepseek.from_deepseek_v3_attention for a DeepSeek-V3 layer).
     """
 
     # the keywords transformers' decoder layers pass that change nothing here (no cache)
     _PASSED = ("use_cache", "cache_position", "output_attentions")
 
-    def __init__(self, attention: MultiHeadAttention) -> None:
+    def __init__(self, attention: MultiHeadAttention | MultiHeadLatentAttention) -> None:
         super().__init__()
-        _check_module(attention)
+        _check_swappable(attention)
         self.attention = attention
 
     def forward(
@@ -723,8 +725,10 @@ class SwappedAttention(nn.Module):
 
 def swap_attention(model: nn.Module, *, context_length: int | None = None) -> int:
     """Replace, in place, every Llama-style attention layer of a transformers model by
-    attnlab's (from_llama_attention, wrapped in SwappedAttention). Every layer is converted
-    (and probed) before any is replaced: a swap that raises leaves the model as it was.
+    attnlab's MultiHeadAttention (from_llama_attention), and every DeepSeek-V3 attention
+    layer by attnlab's MultiHeadLatentAttention (deepseek.from_deepseek_v3_attention), each
+    wrapped in SwappedAttention. Every layer is converted (and probed) before any is
+    replaced: a swap that raises leaves the model as it was.
 
     The swapped model computes its attention on attnlab's modules and equals its eager self;
     it runs without transformers' cache (use_cache=False).
@@ -739,14 +743,22 @@ def swap_attention(model: nn.Module, *, context_length: int | None = None) -> in
     Raises:
         ValueError: the model holds no such layer, or one from_llama_attention refuses.
     """
+    from attnlab.interop import deepseek
     from attnlab.interop import swap as _swap
 
-    layers = [m for m in model.modules() if _is_llama_style(m)]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} holds no Llama-style attention layer")
+    conversions = {}  # id(layer) -> (layer, its converter)
+    for m in model.modules():
+        if _is_llama_style(m):
+            conversions[id(m)] = (m, from_llama_attention)
+        elif deepseek.is_deepseek_v3_attention(m):
+            conversions[id(m)] = (m, deepseek.from_deepseek_v3_attention)
+    if not conversions:
+        raise ValueError(
+            f"{type(model).__name__} holds no Llama-style or DeepSeek-V3 attention layer"
+        )
     converted = {
-        id(layer): SwappedAttention(from_llama_attention(layer, context_length=context_length))
-        for layer in layers
+        key: SwappedAttention(convert(layer, context_length=context_length))
+        for key, (layer, convert) in conversions.items()
     }
     return _swap.replace_modules(model, lambda m: id(m) in converted, lambda m: converted[id(m)])
 
@@ -784,6 +796,15 @@ def _check_module(module: object) -> None:
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(
             f"module must be an attnlab.MultiHeadAttention, got {type(module).__name__}"
+        )
+
+
+def _check_swappable(module: object) -> None:
+    """SwappedAttention holds attnlab's MultiHeadAttention or MultiHeadLatentAttention."""
+    if not isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention)):
+        raise TypeError(
+            f"attention must be an attnlab.MultiHeadAttention or MultiHeadLatentAttention, "
+            f"got {type(module).__name__}"
         )
 
 
