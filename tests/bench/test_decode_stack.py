@@ -44,7 +44,7 @@ def test_the_floor_is_the_larger_term_and_names_it(report):
 
 def test_the_default_rows_are_the_outside_harness():
     specs = default_specs(12)
-    batch_one = {(s.num_kv_heads, s.context) for s in specs if s.batch == 1}
+    batch_one = {(s.num_kv_heads, s.context) for s in specs if s.batch == 1 and not s.latent}
     assert batch_one == {(h, c) for h in (12, 4, 1) for c in (256, 1024, 4096)}
     assert {s.cache_dtype for s in specs if (s.num_kv_heads, s.context) == (12, 4096)} == {
         "float32",
@@ -52,3 +52,27 @@ def test_the_default_rows_are_the_outside_harness():
     }
     assert StackSpec(12, 8, "float32", 1024) in specs
     assert StackSpec(12, 1, "int8", 4096) in specs
+    latent = {s.context for s in specs if s.latent and s.batch == 1}
+    assert latent == {256, 1024, 4096}
+
+
+def test_latent_rows_count_the_latent_cache_and_the_absorbed_step():
+    """A latent-attention row: the cache holds kv_lora_rank + qk_rope_head_dim values per
+    token and layer, and the attention term is the absorbed step's, per head and key
+    2 (2 r + dr) (latent scores, rotary scores, latent values)."""
+    from attnlab.bench.decode_stack import LATENT
+
+    heads = 4
+    (row,) = run_stack_decode(
+        [StackSpec(heads, 1, "float32", 8, latent=True)], d_model=32, num_heads=heads,
+        layers=LAYERS, steps=STEPS, bandwidth_bytes=2**20, matmul_size=32,
+    ).rows  # fmt: skip
+    r, dr = LATENT["kv_lora_rank"], LATENT["qk_rope_head_dim"]
+    dn, dv = LATENT["qk_nope_head_dim"], LATENT["v_head_dim"]
+    held = 8 + STEPS // 2
+    assert row.layout == "latent"
+    assert row.cache_bytes == LAYERS * held * (r + dr) * 4
+    params = 32 * heads * (dn + dr) + 32 * (r + dr) + r + r * heads * (dn + dv)
+    params += heads * dv * 32  # q_proj, kv_a_proj_with_mqa, its norm, kv_b_proj, o_proj
+    assert row.weight_bytes == LAYERS * params * 4
+    assert row.flops == LAYERS * (2 * params + 2 * heads * (2 * r + dr) * held)

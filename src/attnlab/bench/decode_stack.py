@@ -36,10 +36,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch import nn
 
 from attnlab import decode_cpu, plan
 from attnlab.attention import MultiHeadAttention
 from attnlab.bench import decode
+from attnlab.mla import MultiHeadLatentAttention
 
 MODEL = {"d_model": 768, "num_heads": 12, "layers": 12}
 BANDWIDTH_BYTES = 256 * 2**20
@@ -49,20 +51,33 @@ BEST_OF = 5
 
 @dataclass(frozen=True)
 class StackSpec:
-    """One row to measure: key/value heads, batch, cache dtype and context."""
+    """One row to measure: key/value heads, batch, cache dtype and context; latent: the
+    stack is MultiHeadLatentAttention (LATENT's shape) with its latent cache instead."""
 
     num_kv_heads: int
     batch: int
     cache_dtype: str
     context: int
+    latent: bool = False
+
+
+# Multi-head latent attention beside the others at the same width and query heads: head_dim
+# 64 split as DeepSeek-V3 splits its 192 (nope, rope) and its 128-wide values, and a latent
+# 4 value heads wide (V3: 512 = 4 x 128); no low-rank queries. Per token and layer it holds
+# kv_lora_rank + qk_rope_head_dim = 288 values, between multi-query's 128 and 4-head
+# grouped-query's 512 (multi-head: 1536).
+LATENT = {"q_lora_rank": None, "kv_lora_rank": 256, "qk_nope_head_dim": 32}
+LATENT |= {"qk_rope_head_dim": 32, "v_head_dim": 64}
 
 
 def default_specs(num_heads: int = 12, contexts: Sequence[int] = (256, 1024, 4096)):
     """The rows of the outside harness: every layout at batch 1 and every context (float32),
     multi-head at batch 8 and the middle context, and multi-head with int8 and float32
-    caches at the longest (the int8 row's speed-up is read against the float32 one)."""
+    caches at the longest (the int8 row's speed-up is read against the float32 one); then
+    latent attention (LATENT) at batch 1 and every context."""
     layouts = [num_heads, num_heads // 3, 1] if num_heads % 3 == 0 else [num_heads, 1]
     specs = [StackSpec(h, 1, "float32", c) for h in layouts for c in contexts]
+    specs += [StackSpec(num_heads, 1, "float32", c, latent=True) for c in contexts]
     specs.append(StackSpec(num_heads, 8, "float32", contexts[len(contexts) // 2]))
     specs.append(StackSpec(num_heads, 1, "int8", contexts[-1]))
     return specs
@@ -157,19 +172,18 @@ def run_stack_decode(
     """
     specs = list(specs or default_specs(num_heads))
     report = StackReport(d_model, num_heads, layers, steps, torch.get_num_threads())
-    stacks: dict[int, list[MultiHeadAttention]] = {}
+    stacks: dict[tuple[int, bool], list[nn.Module]] = {}
     context_length = max(spec.context for spec in specs) + steps
     for spec in specs:
         progress(_describe(spec))
-        if spec.num_kv_heads not in stacks:
+        key = (spec.num_kv_heads, spec.latent)
+        if key not in stacks:
             stacks.clear()  # one stack's weights at a time
             torch.manual_seed(spec.num_kv_heads)
-            stacks[spec.num_kv_heads] = stack(
-                d_model, num_heads, spec.num_kv_heads, layers, context_length
-            )
-        report.rows.append(
-            _row(stacks[spec.num_kv_heads], spec, steps, bandwidth_bytes, matmul_size)
-        )
+            build = latent_stack if spec.latent else stack
+            kv_heads = () if spec.latent else (spec.num_kv_heads,)
+            stacks[key] = build(d_model, num_heads, *kv_heads, layers, context_length)
+        report.rows.append(_row(stacks[key], spec, steps, bandwidth_bytes, matmul_size))
     return report
 
 
@@ -183,18 +197,33 @@ def stack(d_model: int, num_heads: int, num_kv_heads: int, layers: int, context_
     ]
 
 
+def latent_stack(d_model: int, num_heads: int, layers: int, context_length: int):
+    """`layers` float32 MultiHeadLatentAttention layers (LATENT) in eval mode."""
+    return [
+        MultiHeadLatentAttention(d_model, num_heads, **LATENT, context_length=context_length).eval()
+        for _ in range(layers)
+    ]
+
+
 def _describe(spec: StackSpec) -> str:
-    return (
-        f"{spec.num_kv_heads} key/value heads, batch {spec.batch}, {spec.cache_dtype}, "
-        f"context {spec.context}"
-    )
+    heads = "latent attention" if spec.latent else f"{spec.num_kv_heads} key/value heads"
+    return f"{heads}, batch {spec.batch}, {spec.cache_dtype}, context {spec.context}"
+
+
+def _width(module: nn.Module) -> int:
+    """The model width a layer reads: MultiHeadAttention's d_in, latent attention's d_model."""
+    return module.d_model if isinstance(module, MultiHeadLatentAttention) else module.d_in
+
+
+def _layout(module: nn.Module) -> str:
+    return "latent" if isinstance(module, MultiHeadLatentAttention) else decode.layout(module)
 
 
 def prompted(modules, spec: StackSpec, steps: int):
     """Caches with room for the prompt and the steps, the prompt run through the stack."""
     dtype = getattr(torch, spec.cache_dtype)
     caches = [m.make_cache(spec.batch, spec.context + steps, dtype=dtype) for m in modules]
-    hidden = torch.randn(spec.batch, spec.context, modules[0].d_in)  # (b, t, d)
+    hidden = torch.randn(spec.batch, spec.context, _width(modules[0]))  # (b, t, d)
     with torch.no_grad():
         for module, cache in zip(modules, caches, strict=True):
             hidden = module(hidden, cache=cache)
@@ -206,7 +235,7 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
     times = []
     with torch.no_grad():
         for _ in range(steps):
-            hidden = torch.randn(spec.batch, 1, modules[0].d_in)  # (b, 1, d)
+            hidden = torch.randn(spec.batch, 1, _width(modules[0]))  # (b, 1, d)
             start = time.perf_counter()
             for module, cache in zip(modules, caches, strict=True):
                 hidden = module(hidden, cache=cache)
@@ -216,7 +245,7 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
     del caches
     first = modules[0]
     return StackRow(
-        layout=decode.layout(first),
+        layout=_layout(first),
         num_kv_heads=spec.num_kv_heads,
         batch=spec.batch,
         cache_dtype=spec.cache_dtype,
@@ -236,8 +265,14 @@ def _held_bytes(cache, tokens: int) -> int:
     return tokens * cache.nbytes // cache.capacity
 
 
-def _flops_per_sequence(module: MultiHeadAttention, tokens: int) -> float:
+def _flops_per_sequence(module: nn.Module, tokens: int) -> float:
+    """2 x parameters, and the attention over `tokens` keys: per head and key, scores and
+    values over head_dim each; latent attention's absorbed step, over the latent (r) and
+    rotary (dr) scores and the latent values (its up-projections are in the parameters)."""
     parameters = sum(p.numel() for p in module.parameters())
+    if isinstance(module, MultiHeadLatentAttention):
+        per_key = 2 * module.kv_lora_rank + module.qk_rope_head_dim
+        return 2 * parameters + 2 * module.num_heads * per_key * tokens
     return 2 * parameters + 4 * module.num_heads * module.head_dim * tokens
 
 
