@@ -520,3 +520,12 @@ def test_a_book_mask_that_is_not_square_is_named(tmp_path):
         r"context_length\), got shape \(10,\)",
     ):
         attnlab.load(path, num_heads=2)
+
+
+def test_a_scale_not_finite_in_float32_is_refused_on_load(tmp_path):
+    """A file whose config claims scale 1e39 (finite as a Python float, infinite in float32,
+    where the scores are computed): a ValueError naming it, not NaN outputs."""
+    _, path = _saved(tmp_path, scale=0.5)
+    _rewrite(path, config={"scale": 1e39})
+    with pytest.raises(ValueError, match=r"scale \(1e\+39\) is not finite in torch\.float32"):
+        attnlab.load(path)

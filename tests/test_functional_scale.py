@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from attnlab import flash_cpu
+from attnlab import MultiHeadAttention, debug, flash_cpu
 from attnlab.functional import attention
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -65,8 +65,10 @@ def test_a_scale_finite_in_every_dtype_it_is_used_in_is_taken(backend, dtype, sc
     if not _runs(backend, dtype):
         pytest.skip(f"backend {backend!r} does not take {dtype}")
     q, k, v = _qkv(dtype)
+    shrink = scale**-0.5  # q . k x scale stays of order one: no product overflows
+    q, k = (q.double() * shrink).to(dtype), (k.double() * shrink).to(dtype)
     out = attention(q, k, v, causal=True, scale=scale, backend=backend)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
 
 
 def test_the_check_reads_no_value():
@@ -75,3 +77,54 @@ def test_the_check_reads_no_value():
     with pytest.raises(ValueError, match="scale"):
         attention(q, k, v, scale=1e5, backend="math")
     assert attention(q, k, v, scale=100.0, backend="math").device.type == "meta"
+
+
+# --- a finite scale whose products overflow: the values' matter, named where values are read
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_that_overflow_are_a_value_error_not_nan(backend, causal):
+    """scale=1e38 is finite in float32, but 1e38 x q . k is not: every backend's result
+    held NaN (issue 37, case 4); where values are read (the CPU by default) it is a
+    ValueError naming the overflow, and with the checks off the NaN is what SDPA gives."""
+    if not _runs(backend, torch.float32):
+        pytest.skip("the flash kernel is unavailable here")
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(ValueError, match=r"the scores overflowed torch\.float32: scale \(1e\+38\)"):
+        attention(q, k, v, scale=1e38, causal=causal, backend=backend)
+    with debug.checks(False):
+        out = attention(q, k, v, scale=1e38, causal=causal, backend=backend)
+    assert not torch.isfinite(out).all()
+
+
+def test_a_modules_scale_is_checked_in_the_dtypes_it_is_used_in():
+    """MultiHeadAttention(scale=) finite in float32 at construction (a checkpoint claiming
+    another is refused the same way: tests/test_checkpoint.py), and in the input's dtype at
+    each call (float16: 65504)."""
+    with pytest.raises(ValueError, match=r"scale \(1e\+39\) is not finite in torch\.float32"):
+        MultiHeadAttention(8, 8, 16, 0.0, 2, scale=1e39)
+    module = MultiHeadAttention(8, 8, 16, 0.0, 2, scale=1e38).half()
+    with pytest.raises(ValueError, match=r"scale \(1e\+38\) is not finite in torch\.float16"):
+        module(torch.randn(1, 3, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("rolling", [False, True])
+def test_a_module_whose_arithmetic_overflows_names_it_and_keeps_its_cache(rolling):
+    """Finite x of 1e25: the projections and scores overflow float32. The full forward and
+    a cached step (the native step where it runs, the Python path otherwise) raise a
+    ValueError; the cache keeps its position and what it held: the next step equals that
+    of a twin cache that never saw the call."""
+    torch.manual_seed(0)
+    module = MultiHeadAttention(8, 8, 16, 0.0, 2, window=2 if rolling else None).eval()
+    prompt, big, after = torch.randn(1, 3, 8), torch.randn(1, 1, 8) * 1e25, torch.randn(1, 1, 8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="overflowed"):
+            module(torch.cat([prompt, big], dim=1))
+        cache, twin = module.make_cache(1, 8), module.make_cache(1, 8)
+        module(prompt, cache=cache)
+        module(prompt, cache=twin)
+        with pytest.raises(ValueError, match="overflowed"):
+            module(big, cache=cache)
+        assert cache.position == 3
+        torch.testing.assert_close(module(after, cache=cache), module(after, cache=twin))

@@ -585,3 +585,43 @@ def test_a_value_read_added_back_fails_the_meta_test(monkeypatch):
     monkeypatch.setattr(debug, "reads_values", lambda t: True)
     with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
         test_forward_backward_and_a_cached_decode_off_the_cpu_read_no_value(META["lora, rope"])
+
+
+class _DoubledLinear(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is F.linear else out
+
+
+def test_under_a_function_mode_or_a_patched_linear_kv_b_proj_is_called(monkeypatch):
+    """The absorbed path reads kv_b_proj's weight: under a function mode that changes
+    F.linear, or with nn.Linear.forward patched on the class, the default decode must equal
+    absorb=False (which calls the layer), and absorb=True is refused by name."""
+    torch.manual_seed(7)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval()
+    x = torch.randn(1, 4, 16)
+    original = nn.Linear.forward
+
+    def patched():
+        nn.Linear.forward = lambda self, y: original(self, y) * 2
+
+    for name, enter, leave in [
+        ("function mode", _DoubledLinear().__enter__, None),
+        ("class patch", patched, lambda: setattr(nn.Linear, "forward", original)),
+    ]:
+        mode = enter()
+        try:
+            outs = {}
+            for absorb in (None, False):
+                cache = m.make_cache(1, 8)
+                with torch.no_grad():
+                    m(x[:, :3], cache=cache)
+                    outs[absorb] = m(x[:, 3:], cache=cache, absorb=absorb)
+            torch.testing.assert_close(outs[None], outs[False], msg=name)
+            with pytest.raises(ValueError, match="absorb=True reads kv_b_proj's weight"):
+                m(x[:, 3:], cache=m.make_cache(1, 8), absorb=True)
+        finally:
+            if leave is None:
+                mode.__exit__(None, None, None)
+            else:
+                leave()

@@ -478,3 +478,85 @@ def test_a_compiled_projection_is_the_layers_call_for_every_row_count():
             torch.testing.assert_close(project(x), layer(x), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
     assert counter.frame_count == 1
+
+
+# --- what the fast paths stand for, patched or overridden (the outside pass after issue 37) --
+
+
+class _Plus100(MultiHeadAttention):
+    """A subclass whose head-combining step adds 100: no fast path may skip it."""
+
+    def _combine_heads(self, *args, **kwargs):
+        return super()._combine_heads(*args, **kwargs) + 100.0
+
+
+@pytest.mark.parametrize("where", ["subclass", "class patch"])
+def test_a_step_overridden_or_patched_on_the_class_is_run_by_a_decode_step(where, monkeypatch):
+    """Every method MultiHeadAttention defines is one the fast path stands for: a subclass
+    overriding _combine_heads (not a listed step before), or the class itself patched, makes
+    the 1-token cached step the Python path, equal to the same module's full forward."""
+    m = build(3)
+    if where == "subclass":
+        m.__class__ = _Plus100
+    else:
+        original = MultiHeadAttention._combine_heads
+        monkeypatch.setattr(
+            MultiHeadAttention,
+            "_combine_heads",
+            lambda self, *a, **k: original(self, *a, **k) + 100.0,
+        )
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        full = m(x)
+        cache = m.make_cache(1, 8)
+        m(x[:, :4], cache=cache)
+        step = m(x[:, 4:], cache=cache)
+    torch.testing.assert_close(step, full[:, 4:], atol=1e-5, rtol=1e-5)
+    assert plan.native_module(m) is None
+
+
+@pytest.mark.parametrize("patch", ["nn.Linear.forward", "nn.Module.__call__", "F.linear"])
+def test_torchs_linear_code_patched_is_run_by_every_path(patch, monkeypatch):
+    """A class-level patch of nn.Linear (stable-diffusion-webui's LoRA) or of F.linear: the
+    blocked projection (1 and 8 rows) and the native decode step call the layers like the
+    40-row path does."""
+    m = build(4)
+    x = torch.randn(40, 1, 16)
+    with torch.no_grad():
+        plain = m(x)
+    if patch == "nn.Linear.forward":
+        original = nn.Linear.forward
+        monkeypatch.setattr(nn.Linear, "forward", lambda self, y: original(self, y) + 1.0)
+    elif patch == "nn.Module.__call__":
+        original = nn.Module.__call__
+        monkeypatch.setattr(nn.Linear, "__call__", lambda self, y: original(self, y) + 1.0)
+    else:
+        original = F.linear
+        monkeypatch.setattr(F, "linear", lambda y, w, b=None: original(y, w, b) + 1.0)
+    assert not plan.linear_code_as_torch_wrote_it()
+    with torch.no_grad():
+        patched = m(x)
+        assert (patched - plain).abs().max() > 0.1  # the patch changes the output
+        torch.testing.assert_close(m(x[:1]), patched[:1])
+        torch.testing.assert_close(m(x[:8]), patched[:8])
+        torch.testing.assert_close(m(x[:1], cache=m.make_cache(1, 4)), patched[:1])
+    monkeypatch.undo()
+    assert plan.linear_code_as_torch_wrote_it()
+
+
+@needs_native
+def test_a_lazily_negated_view_is_read_by_its_values():
+    """torch._neg_view holds values its memory does not: a weight or an input so held takes
+    the Python path (equal outputs), and the op itself refuses one by name."""
+    m = build(5)
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        want = m(x, cache=m.make_cache(1, 4))
+        m.out_proj.weight = nn.Parameter(torch._neg_view(-m.out_proj.weight.detach()))
+        torch.testing.assert_close(m(x, cache=m.make_cache(1, 4)), want)
+        torch.testing.assert_close(m(torch._neg_view(-x), cache=m.make_cache(1, 4)), want)
+    cache = m.make_cache(1, 4)
+    weights = plan.native_module(build(5))
+    with pytest.raises(RuntimeError, match="x is a lazily negated or conjugated view"):
+        decode_cpu.step(torch._neg_view(-x), weights, 4, 0.25, cache, None)
+    assert cache.position == 0

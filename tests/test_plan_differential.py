@@ -3,7 +3,8 @@ MultiHeadAttention (replace a projection with the right or a wrong size, subclas
 it, parametrize it, LoRA-style adapters, forward and backward hooks local and global,
 in-place weight edits between calls, a rope swap, a dtype change, autocast, train mode,
 inference mode, an instance-level forward as accelerate attaches, a weight held as a
-buffer, an active torch function mode or dispatch mode), a head layout and the token
+buffer, an active torch function mode or dispatch mode, nn.Linear.forward or F.linear
+patched on the class or module, a weight held as a lazily negated view), a head layout and the token
 counts, and requires every path (full forwards of 1, <= 32 and > 32 tokens, cached decode
 of several steps) to equal the float64 reference written out in tests/test_plan.py, or to
 raise the same named error on every path."""
@@ -111,7 +112,37 @@ ACTIONS = {
     "weight as a buffer": (lambda m, name: _weight_as_buffer(getattr(m, name)), None, None),
     "function mode": (lambda m, name: None, DoubledLinear, None),
     "dispatch mode": (lambda m, name: None, SeenProducts, None),
+    "nn.Linear.forward patched": (lambda m, name: None, lambda: _patched_linear_forward(), None),
+    "F.linear patched": (lambda m, name: None, lambda: _patched_f_linear(), None),
+    "negated weight view": (lambda m, name: _negated_view(getattr(m, name)), None, None),
 }
+
+
+@contextlib.contextmanager
+def _patched_linear_forward():
+    """nn.Linear.forward replaced on the class, as stable-diffusion-webui's LoRA does."""
+    original = nn.Linear.forward
+    nn.Linear.forward = lambda self, x: original(self, x) + 0.5
+    try:
+        yield
+    finally:
+        nn.Linear.forward = original
+
+
+@contextlib.contextmanager
+def _patched_f_linear():
+    """torch.nn.functional.linear replaced (what nn.Linear.forward calls)."""
+    original = nn.functional.linear
+    nn.functional.linear = lambda x, w, b=None: original(x, w, b) * 1.5
+    try:
+        yield
+    finally:
+        nn.functional.linear = original
+
+
+def _negated_view(layer):
+    """The same weight values held as a lazily negated view of their negation."""
+    layer.weight = nn.Parameter(torch._neg_view(-layer.weight.detach()))
 
 
 def _weight_as_buffer(layer):

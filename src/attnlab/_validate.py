@@ -214,6 +214,18 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_finite_result(result: object, cause: str) -> object:
+    """Return `result` (an output tensor, or a tuple whose first item is one) if the output
+    is finite, else raise ValueError: every input was finite, so the arithmetic overflowed,
+    and `cause` says where. Runs where attnlab.debug.reads_values says (CPU by default)."""
+    out = result[0] if isinstance(result, tuple) else result
+    if not debug.reads_values(out) or bool(torch.isfinite(out.sum())):  # one read
+        return result
+    if not bool(torch.isfinite(out).all()):  # a sum can overflow with finite values
+        raise ValueError(f"the output is not finite though every input is: {cause}")
+    return result
+
+
 def check_additive_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
     """Return a float mask if its values are finite or -inf (blocked); NaN and +inf have no
     meaning as an additive mask (NaN would be read as blocked, +inf makes the row NaN).

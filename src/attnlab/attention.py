@@ -10,8 +10,8 @@ hd = d_out / num_heads; the output is (b, tq, d_out).
 
 from __future__ import annotations
 
-import functools
 import math
+import operator
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from attnlab._validate import (
     check_divides,
     check_dropout,
     check_finite,
+    check_finite_result,
     check_float,
     check_float_dtype,
     check_int,
@@ -168,6 +169,8 @@ class MultiHeadAttention(nn.Module):
                 device=factory["device"],
             )
         self.scale = None if scale is None else check_float("scale", scale, greater_than=0.0)
+        if self.scale is not None:  # finite where the scores are computed: float32 at least
+            functional.check_scale_in(self.scale, torch.float32)
         self._make_qk_norms(qk_norm, qk_norm_eps, qk_norm_offset, factory)
         if self.fused:
             self.qkv_proj = nn.Linear(d_in, d_out + 2 * self.kv_dim, bias=qkv_bias, **factory)
@@ -353,6 +356,8 @@ class MultiHeadAttention(nn.Module):
         if context is not None:
             context = self._check_input("context", context, self.context_dim, batch=x.shape[0])
         mask = self._check_mask(mask, x, context, start, cache)
+        if self.scale is not None and x.dtype.itemsize < 4:  # float16's largest is 65504
+            functional.check_scale_in(self.scale, x.dtype)
         functional.check_backend_call(
             self.backend,
             need_weights=need_weights,
@@ -368,7 +373,9 @@ class MultiHeadAttention(nn.Module):
                 return out
         self._check_layers(start, x, context)  # what the Python path will call
         self._check_finite("x", x)
-        return self._execute(x, context, mask, need_weights, start, cache)
+        return check_finite_result(
+            self._execute(x, context, mask, need_weights, start, cache), _OVERFLOW
+        )
 
     def _execute(
         self,
@@ -447,11 +454,11 @@ class MultiHeadAttention(nn.Module):
         """forward() with a StaticKVCache after its checks: the same shapes and no value read
         at every position (attnlab.static_cache)."""
         q, k, v = self._project(x, None)
-        positions = cache.positions(x.shape[1])  # (tq,) on the device
+        positions = cache._positions(x.shape[1])  # (tq,) on the device
         if self.rope is not None:
             q, k = self.rope(q, positions), self.rope(k, positions)  # through its __call__
-        k, v = cache.write(k, v, positions)  # (b, hkv, capacity, hd)
-        visible = cache.visible(positions, self.window)  # (tq, capacity)
+        k, v = cache._write(k, v, positions)  # (b, hkv, capacity, hd)
+        visible = cache._visible(positions, self.window)  # (tq, capacity)
         visible = visible.view(1, 1, *visible.shape)  # (1, 1, tq, capacity)
         mask = visible if mask is None else masks.combine_masks(mask, visible)
         result = functional.attend(
@@ -468,7 +475,7 @@ class MultiHeadAttention(nn.Module):
         )
         out, weights = result if need_weights else (result, None)
         out = self._combine_heads(out)
-        cache.advance(x.shape[1])  # last: a step that raised has moved nothing
+        cache._advance(x.shape[1])  # last: a step that raised has moved nothing
         return (out, weights) if need_weights else out
 
     def _combine_heads(self, out: torch.Tensor) -> torch.Tensor:
@@ -799,14 +806,27 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def _steps_as_written(cls) -> bool:
-        """False for a subclass that overrides a step the native decode step stands for
-        (attnlab.plan.STEPS: projection, heads, attention and forward's checks)."""
-        return _steps_as_written(cls)
+        """True when every method and property MultiHeadAttention defines is, on `cls`, the
+        one this file defines: False for a subclass that overrides any of them, and for a
+        patch of the class itself (MultiHeadAttention._combine_heads = ...)."""
+        return _OWN_CODE(cls) == _OWN
 
 
-@functools.cache
-def _steps_as_written(module_class: type) -> bool:
-    return all(getattr(module_class, s) is getattr(MultiHeadAttention, s) for s in plan.STEPS)
+_OVERFLOW = (
+    "the projections or the scores overflowed (x's values times the weights, or the scale "
+    "times q . k, past the dtype's largest value)"
+)
+
+# every function, property and classmethod MultiHeadAttention defines, read in one C call
+# (operator.attrgetter) and compared with what this file defined: the fast paths stand for
+# all of them, so any other (a subclass's, a class-level patch) takes the Python path
+_OWN_NAMES = tuple(
+    name
+    for name, value in vars(MultiHeadAttention).items()
+    if (callable(value) or isinstance(value, (property, staticmethod))) and name != "__init__"
+)  # not __init__ (construction: what it sets, the plan reads) nor classmethods (bound anew)
+_OWN_CODE = operator.attrgetter(*_OWN_NAMES)
+_OWN = _OWN_CODE(MultiHeadAttention)
 
 
 def _check_projection(name: str, layer: object, width: int | None, features: int) -> None:

@@ -130,25 +130,33 @@ def step(
 def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None:
     slot, first, count = cache.native_slots(start, window)
     key_scales, value_scales = cache.scales
-    y = _op()(
-        x if x.is_contiguous() else x.contiguous(),  # (b, 1, d_in)
-        *weights,
-        cache.keys_t,
-        cache.values_t,
-        key_scales,
-        value_scales,
-        heads,
-        start,
-        slot,
-        first,
-        count,
-        cache.block,
-        scale,
-    )
+    try:
+        y = _op()(
+            x if x.is_contiguous() else x.contiguous(),  # (b, 1, d_in)
+            *weights,
+            cache.keys_t,
+            cache.values_t,
+            key_scales,
+            value_scales,
+            heads,
+            start,
+            slot,
+            first,
+            count,
+            cache.block,
+            scale,
+        )
+    except RuntimeError as error:  # the op's overflow is the caller's values: a ValueError
+        if str(error).startswith(_OVERFLOW):
+            raise ValueError(str(error).removeprefix("decode_step: ")) from None
+        raise
     if not y.numel():
         return None
     cache.position = start + 1
     return y  # (b, 1, d_out)
+
+
+_OVERFLOW = "decode_step: the output is not finite"
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from attnlab._validate import (
     check_broadcasts_to,
     check_dropout,
     check_finite,
+    check_finite_result,
     check_float,
     check_mask_kind,
     check_tensor,
@@ -97,7 +98,7 @@ def attention(
     mask = check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     sinks = check_sinks(sinks, q)
     softcap = None if softcap is None else check_float("softcap", softcap, greater_than=0.0)
-    return attend(
+    result = attend(
         q,
         k,
         v,
@@ -109,6 +110,11 @@ def attention(
         backend=backend,
         sinks=sinks,
         softcap=softcap,
+    )
+    return check_finite_result(
+        result,
+        f"the scores overflowed {torch.promote_types(q.dtype, torch.float32)}: scale "
+        f"({scale:g}) x q . k is past its largest value; use a smaller scale or smaller q, k",
     )
 
 
@@ -416,14 +422,20 @@ def _check_scale(scale: object, head_dim: int, dtype: torch.dtype) -> float:
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     scale = float(scale)
     for used_in in (dtype, torch.float32) if dtype.itemsize <= 4 else (dtype,):
-        largest = torch.finfo(used_in).max
-        if scale > largest:
-            raise ValueError(
-                f"scale ({scale:g}) is not finite in {used_in}, a dtype it is used in (q's "
-                f"dtype {dtype}; the scores in float32 at least): it must be at most "
-                f"{largest:g}, {used_in}'s largest finite value"
-            )
+        check_scale_in(scale, used_in, f"q's dtype {dtype}; the scores in float32 at least")
     return scale
+
+
+def check_scale_in(scale: float, dtype: torch.dtype, where: str = "") -> None:
+    """Raise a ValueError unless the positive float `scale` is finite once cast to `dtype`
+    (a dtype it is used in; `where` says why, for the message)."""
+    largest = torch.finfo(dtype).max
+    if scale > largest:
+        why = f" ({where})" if where else ""
+        raise ValueError(
+            f"scale ({scale:g}) is not finite in {dtype}, a dtype it is used in{why}: it must "
+            f"be at most {largest:g}, {dtype}'s largest finite value"
+        )
 
 
 def check_backend(backend: object) -> str:

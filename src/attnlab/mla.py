@@ -398,6 +398,8 @@ class MultiHeadLatentAttention(nn.Module):
         the rule where kv_b_proj is plain."""
         readable = plan.plain_linear(self.kv_b_proj, (self.kv_width, self.kv_lora_rank))
         readable = readable and self.kv_b_proj.bias is None and plan.no_global_hooks()
+        # a function or dispatch mode would not see kv_b_proj called (traces handle modes)
+        readable = readable and (torch.compiler.is_compiling() or plan.no_active_modes())
         if absorb is None:
             return readable and self.absorbs(num_queries, num_keys)
         if absorb and not readable:

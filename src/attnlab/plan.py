@@ -25,15 +25,19 @@ autocast, grad mode) can go unseen, and the checks cost a few attribute reads.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules import linear as _linear
 from torch.nn.modules import module as _module
 
 from attnlab import decode_cpu, matvec
 from attnlab.kv_cache import KVCache
 from attnlab.rope import RotaryEmbedding
+from attnlab.rope import code_as_written as rope_code_as_written
 
 if TYPE_CHECKING:
     from attnlab.attention import MultiHeadAttention
@@ -54,11 +58,46 @@ STEPS = (
     "_check_layers",
     "_start_position",
 )
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_LINEAR_TENSORS = frozenset({"weight", "bias"})
+_ROPE_TENSORS = frozenset({"cos", "sin"})
 _GLOBAL_HOOKS = tuple(
     getattr(_module, f"_global{name}")
     for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 )
+
+
+# torch's code a fast path stands for when it computes a projection without calling it: the
+# class's call machinery and forward, and F.linear. Read at import and checked to be torch's
+# own (defined in torch's files: a patch made before attnlab was imported counts too); on
+# every call compared by identity, so that a class-level patch (stable-diffusion-webui's LoRA
+# sets nn.Linear.forward; profilers wrap nn.Module.__call__; F.linear replaced) takes the
+# Python path, which runs it
+_LINEAR_NAMES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl")
+_LINEAR_CODE = operator.attrgetter(*_LINEAR_NAMES)
+_LINEAR_AS_IMPORTED = _LINEAR_CODE(nn.Linear)
+_F_LINEAR = torch._C._nn.linear
+_TORCH_FILES = {"forward": _linear.__file__}
+
+
+def _is_torchs(function: object, name: str) -> bool:
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_filename == _TORCH_FILES.get(name, _module.__file__)
+
+
+_LINEAR_IS_TORCHS = all(
+    _is_torchs(function, name)
+    for function, name in zip(_LINEAR_AS_IMPORTED, _LINEAR_NAMES, strict=True)
+)
+
+
+def linear_code_as_torch_wrote_it() -> bool:
+    """True when nn.Linear's forward and call machinery and F.linear are torch's own, as
+    attnlab found them at import (a class-level patch of any of them is False)."""
+    return (
+        _LINEAR_IS_TORCHS
+        and F.linear is _F_LINEAR
+        and _LINEAR_CODE(nn.Linear) == _LINEAR_AS_IMPORTED
+    )
 
 
 def no_global_hooks() -> bool:
@@ -102,15 +141,23 @@ def _pristine(layer: nn.Module, module_class: type, tensors: str, names: set[str
     state = layer.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
     if not state.keys() <= _fresh_state(module_class):
         return False  # an instance forward or __call__ (accelerate's hooks), any extra
-    if any(state[name] for name in _HOOKS):
+    if (
+        state["_forward_hooks"]
+        or state["_forward_pre_hooks"]
+        or state["_backward_hooks"]
+        or state["_backward_pre_hooks"]
+    ):  # each hook dict, spelled out: a generator costs a microsecond per call
         return False
     return state[tensors].keys() == names
 
 
 def pristine_linear(layer: object) -> bool:
     """True when `layer` is exactly an nn.Linear holding nothing a fresh one does not, with
-    no hook, and `weight` and `bias` registered parameters (of any shape, dtype or type)."""
-    return _pristine(layer, nn.Linear, "_parameters", {"weight", "bias"})
+    no hook, `weight` and `bias` registered parameters (of any shape, dtype or type), and
+    nn.Linear's code and F.linear torch's own (linear_code_as_torch_wrote_it)."""
+    return _pristine(layer, nn.Linear, "_parameters", _LINEAR_TENSORS) and (
+        linear_code_as_torch_wrote_it()
+    )
 
 
 def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
@@ -124,9 +171,9 @@ def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
         return False
     parameters = layer.__dict__["_parameters"]
     weight, bias = parameters["weight"], parameters["bias"]
-    if type(weight) is not nn.Parameter or not weight.is_contiguous():
-        return False
-    if bias is not None and type(bias) is not nn.Parameter:
+    if type(weight) is not nn.Parameter or not weight.is_contiguous() or weight.is_neg():
+        return False  # a lazily negated view (torch._neg_view): kernels read its memory
+    if bias is not None and (type(bias) is not nn.Parameter or bias.is_neg()):
         return False
     out, features = shape
     if out is None:  # any width: the weight's own (torch.Size comparisons: one call each)
@@ -222,6 +269,8 @@ def native_decode(
         return None
     if x.shape[1] != 1 or x.dtype != torch.float32 or not x.is_cpu or type(x) is not torch.Tensor:
         return None
+    if x.is_neg():  # a lazily negated view: the kernel reads its memory
+        return None
     if not no_active_modes():
         return None
     if torch.is_autocast_enabled("cpu") or type(cache) is not KVCache:
@@ -251,8 +300,10 @@ def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:
 def _own_rope_tables(rope: object, head_dim: int) -> tuple[torch.Tensor | None, ...]:
     """(cos, sin) of attnlab's RotaryEmbedding, of head_dim, with float32 contiguous CPU
     tables and no hooks; else (None, None)."""
-    if not _pristine(rope, RotaryEmbedding, "_buffers", {"cos", "sin"}):
+    if not _pristine(rope, RotaryEmbedding, "_buffers", _ROPE_TENSORS):
         return None, None
+    if not rope_code_as_written():
+        return None, None  # a class-level patch of its forward or tables
     buffers = rope.__dict__["_buffers"]
     cos, sin = buffers.get("cos"), buffers.get("sin")
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
@@ -265,5 +316,6 @@ def _own_rope_tables(rope: object, head_dim: int) -> tuple[torch.Tensor | None, 
         and cos.is_cpu
         and cos.is_contiguous()
         and sin.is_contiguous()
+        and not (cos.is_neg() or sin.is_neg())
     )
     return (cos, sin) if suits else (None, None)

@@ -178,7 +178,7 @@ class StaticKVCache:
                 f"tokens and cannot take {num_new} more; reset() it or make a larger one"
             )
 
-    def positions(self, num_new: int) -> torch.Tensor:
+    def _positions(self, num_new: int) -> torch.Tensor:
         """The positions of the next `num_new` tokens, (num_new,) on the device. Under
         torch.compile, where the host's count is not checked, a position past the capacity
         is the last slot's (a wrong answer the caller's bound prevents, never an
@@ -190,18 +190,18 @@ class StaticKVCache:
             positions = positions.clamp(max=self.max_tokens - 1)
         return positions
 
-    def write(
+    def _write(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (b, hkv, n, hd) at `positions` (n,) and return every slot's keys and
         values (b, hkv, capacity, hd) in k's dtype (as stored: rounded by a narrower store).
-        The position does not move: `advance` moves it once the step has succeeded."""
+        The position does not move: `_advance` moves it once the step has succeeded."""
         self._store(self.keys, self.key_scales, k, positions)
         self._store(self.values, self.value_scales, v, positions)
         keys = self._read(self.keys, self.key_scales, k.dtype)
         return keys, self._read(self.values, self.value_scales, k.dtype)
 
-    def advance(self, num_new: int) -> None:
+    def _advance(self, num_new: int) -> None:
         """Move the position on by `num_new` tokens: on the device, and the host's count
         outside torch.compile (inside, the cache notes that the device is ahead: the next
         eager use reads the position back once, sync_tokens)."""
@@ -227,7 +227,7 @@ class StaticKVCache:
             return False
         return self.keys.is_inference() and not torch.is_inference_mode_enabled()
 
-    def visible(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    def _visible(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """(n, capacity) bool: slot s is visible to the query at position p when s <= p
         (and p - s < window): attnlab's causal rule (masks.position_mask) on the slots."""
         query = positions.view(-1, 1)  # (n, 1)

@@ -141,6 +141,27 @@ def test_a_path_that_holds_no_model_says_so(no_hub, tmp_path):
         attnlab.explore(str(tmp_path), "Your journey starts")
 
 
+@pytest.mark.parametrize("config", ["null", "[]", '"text"'])
+def test_a_folder_whose_config_is_not_a_config_says_so(config, no_hub, tmp_path):
+    from attnlab.explore.hf import ModelNotFoundError
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelNotFoundError, match=r"is a path, but transformers loads no model"):
+        attnlab.explore(str(tmp_path), "Your journey starts")
+
+
+def test_a_path_under_the_home_folder_loads_as_written(tmp_path, monkeypatch):
+    """"~/tiny" is the folder, as a shell would read it (transformers takes "~/tiny" as a
+    hub name and refuses it)."""
+    from transformers import GPT2Config, GPT2Model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=50, n_positions=16)
+    GPT2Model(config).save_pretrained(tmp_path / "tiny")
+    exploration = attnlab.explore("~/tiny", torch.tensor([[1, 2, 3]]))
+    assert exploration.capture.groups  # the model ran: its attention maps are captured
+
+
 def test_a_model_in_the_local_cache_loads_by_name_without_the_hub(no_hub, tmp_path, monkeypatch):
     """A hub name downloaded before (here a cache laid out by hand) loads by its name."""
     import huggingface_hub.constants

@@ -799,6 +799,9 @@ void check_tensor(const at::Tensor& t, const char* name) {
               t.device());
   TORCH_CHECK(t.is_contiguous(), "decode_step: ", name, " must be contiguous, got shape ",
               t.sizes(), " with strides ", t.strides());
+  // a lazily negated (torch._neg_view) or conjugated view: its memory is not its values
+  TORCH_CHECK(!t.is_neg() && !t.is_conj(), "decode_step: ", name, " is a lazily negated or "
+              "conjugated view: pass t.resolve_neg() / t.resolve_conj()");
 }
 
 void check_float(const at::Tensor& t, const char* name) {
@@ -1023,6 +1026,12 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   }
   project(attn, batch, d_out, w_out.data_ptr<float>(),
           b_out.numel() ? b_out.data_ptr<float>() : nullptr, d_out, out.data_ptr<float>());
+  // x was finite: a non-finite output is float32 overflowing (x times the weights, or the
+  // scale times q . k); refused, not returned (attnlab.decode_cpu names it a ValueError)
+  TORCH_CHECK(all_finite(out.data_ptr<float>(), batch * d_out),
+              "decode_step: the output is not finite though x is: the projections or the "
+              "scores overflowed float32 (x's values times the weights, or the scale times "
+              "q . k, past 3.4e38)");
   return out;
 }
 

@@ -72,13 +72,16 @@ def load(name: str, argument: str = "source") -> tuple[nn.Module, object | None]
             f"a model by name ({name!r}) needs transformers: pip install 'attnlab[hf]'"
         ) from error
 
-    is_path = os.path.exists(os.path.expanduser(name))
+    path = os.path.expanduser(name)  # "~/model": transformers takes it as a hub name
+    is_path = os.path.exists(path)
+    source = path if is_path else name
     try:
-        model = AutoModel.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as error:
+        model = AutoModel.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        # TypeError and the like: a folder whose config.json is not a config (null, a list)
         raise ModelNotFoundError(argument, name, _not_loaded(name, is_path, error)) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError, KeyError):
         tokenizer = None
     return model, tokenizer if _has_vocabulary(tokenizer) else None
