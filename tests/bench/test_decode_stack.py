@@ -51,6 +51,8 @@ def test_the_default_rows_are_the_outside_harness():
         "int8",
     }
     assert StackSpec(12, 8, "float32", 1024) in specs
+    batch_eight = {(s.num_kv_heads, s.context) for s in specs if s.batch == 8}
+    assert batch_eight == {(12, 1024)} | {(h, c) for h in (4, 1) for c in (256, 1024, 4096)}
     assert StackSpec(12, 1, "int8", 4096) in specs
     latent = {s.context for s in specs if s.latent and s.batch == 1}
     assert latent == {256, 1024, 4096}

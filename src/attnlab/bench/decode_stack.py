@@ -72,13 +72,15 @@ LATENT |= {"qk_rope_head_dim": 32, "v_head_dim": 64}
 
 def default_specs(num_heads: int = 12, contexts: Sequence[int] = (256, 1024, 4096)):
     """The rows of the outside harness: every layout at batch 1 and every context (float32),
-    multi-head at batch 8 and the middle context, and multi-head with int8 and float32
-    caches at the longest (the int8 row's speed-up is read against the float32 one); then
-    latent attention (LATENT) at batch 1 and every context."""
+    latent attention (LATENT) at batch 1 and every context, multi-head at batch 8 and the
+    middle context, grouped-query and multi-query at batch 8 and every context, and
+    multi-head with int8 and float32 caches at the longest (the int8 row's speed-up is read
+    against the float32 one)."""
     layouts = [num_heads, num_heads // 3, 1] if num_heads % 3 == 0 else [num_heads, 1]
     specs = [StackSpec(h, 1, "float32", c) for h in layouts for c in contexts]
     specs += [StackSpec(num_heads, 1, "float32", c, latent=True) for c in contexts]
     specs.append(StackSpec(num_heads, 8, "float32", contexts[len(contexts) // 2]))
+    specs += [StackSpec(h, 8, "float32", c) for h in layouts[1:] for c in contexts]
     specs.append(StackSpec(num_heads, 1, "int8", contexts[-1]))
     return specs
 
