@@ -772,8 +772,7 @@ class MultiHeadAttention(nn.Module):
     def _check_input(
         self, name: str, x: object, width: int, *, batch: int | None, finite: bool = True
     ) -> torch.Tensor:
-        width_name = "d_in" if name == "x" else "context_dim"
-        layout = f"(batch, tokens, {width_name})"
+        width_name, layout = _LAYOUTS[name]
         x = check_tensor(
             name, x, ndims=(3,), layout=layout, last_dim=width, last_dim_name=width_name
         )
@@ -811,6 +810,12 @@ class MultiHeadAttention(nn.Module):
         patch of the class itself (MultiHeadAttention._combine_heads = ...)."""
         return _OWN_CODE(cls) == _OWN
 
+
+# an input's name -> the name of its width and its layout, for check_tensor's messages
+_LAYOUTS = {
+    "x": ("d_in", "(batch, tokens, d_in)"),
+    "context": ("context_dim", "(batch, tokens, context_dim)"),
+}
 
 _OVERFLOW = (
     "the projections or the scores overflowed (x's values times the weights, or the scale "

@@ -162,27 +162,35 @@ def pristine_linear(layer: object) -> bool:
 
 def plain_linear(layer: object, shape: tuple[int | None, int]) -> bool:
     """True when `layer` is a pristine nn.Linear (_pristine: not a subclass, wrapper or
-    parametrized layer, no instance forward, no hook of its own) of weight `shape` (out,
-    in; out None: any width), its weight and bias registered nn.Parameters (not a tensor
-    subclass), the weight contiguous, no bias or one of its output width: what a fast path
-    computes in its place is then what calling it gives, global hooks and modes aside
-    (no_global_hooks, no_active_modes)."""
-    if not pristine_linear(layer):
-        return False
+    parametrized layer, no instance forward, no hook of its own; nn.Linear's code torch's
+    own) of weight `shape` (out, in; out None: any width), its weight and bias registered
+    nn.Parameters (not a tensor subclass, not a lazily negated view), the weight contiguous,
+    no bias or one of its output width: what a fast path computes in its place is then what
+    calling it gives, global hooks and modes aside (no_global_hooks, no_active_modes)."""
+    return linear_code_as_torch_wrote_it() and _plain_tensors(layer, shape) is not None
+
+
+def _plain_tensors(layer: object, shape: tuple[int | None, int]) -> tuple | None:
+    """plain_linear's layer checks but nn.Linear's code (the caller's): its (weight, bias),
+    else None."""
+    if not _pristine(layer, nn.Linear, "_parameters", _LINEAR_TENSORS):
+        return None
     parameters = layer.__dict__["_parameters"]
     weight, bias = parameters["weight"], parameters["bias"]
     if type(weight) is not nn.Parameter or not weight.is_contiguous() or weight.is_neg():
-        return False  # a lazily negated view (torch._neg_view): kernels read its memory
+        return None  # a lazily negated view (torch._neg_view): kernels read its memory
     if bias is not None and (type(bias) is not nn.Parameter or bias.is_neg()):
-        return False
+        return None
     out, features = shape
     if out is None:  # any width: the weight's own (torch.Size comparisons: one call each)
         if weight.dim() != 2 or weight.shape[1] != features:
-            return False
+            return None
         out = weight.shape[0]
     elif weight.shape != shape:
-        return False
-    return bias is None or (bias.shape == (out,) and bias.is_contiguous())
+        return None
+    if bias is None or (bias.shape == (out,) and bias.is_contiguous()):
+        return weight, bias
+    return None
 
 
 def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int | None, int]) -> bool:
@@ -228,7 +236,7 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     if not type(module)._steps_as_written() or not state.keys() <= _fresh_attention_state():
         return None  # a subclass's step; the instance's own step or attribute (forward...)
     layers = state["_modules"]
-    if not no_global_hooks():
+    if not no_global_hooks() or not linear_code_as_torch_wrote_it():
         return None
     qkv_weight, qkv_bias = _float32_linear(
         layers.get("qkv_proj"), (d_out + 2 * state["num_kv_heads"] * head_dim, d_in)
@@ -246,16 +254,16 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
 
 def _float32_linear(layer: object, shape: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:
     """A plain_linear's weight and bias (empty for none) when both are float32 on the CPU,
-    else (None, None)."""
-    if not plain_linear(layer, shape):
+    else (None, None); nn.Linear's code is the caller's to check (once per call)."""
+    tensors = _plain_tensors(layer, shape)
+    if tensors is None:
         return None, None
-    parameters = layer.__dict__["_parameters"]
-    weight, bias = parameters["weight"], parameters["bias"]
-    if weight.dtype != torch.float32 or not weight.is_cpu:
+    weight, bias = tensors
+    if weight.dtype is not torch.float32 or not weight.is_cpu:
         return None, None
     if bias is None:
         return weight, decode_cpu.EMPTY
-    return (weight, bias) if bias.dtype == torch.float32 and bias.is_cpu else (None, None)
+    return (weight, bias) if bias.dtype is torch.float32 and bias.is_cpu else (None, None)
 
 
 def native_decode(
@@ -306,13 +314,15 @@ def _own_rope_tables(rope: object, head_dim: int) -> tuple[torch.Tensor | None, 
         return None, None  # a class-level patch of its forward or tables
     buffers = rope.__dict__["_buffers"]
     cos, sin = buffers.get("cos"), buffers.get("sin")
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
-        return None, None
+    if type(cos) is not torch.Tensor or type(sin) is not torch.Tensor:
+        return None, None  # not a table, or a tensor subclass (its memory is not its values)
+    shape = cos.shape
     suits = (
-        cos.dim() == 2
-        and cos.shape[1] == head_dim
-        and cos.shape == sin.shape
-        and cos.dtype == sin.dtype == torch.float32
+        shape == sin.shape
+        and len(shape) == 2
+        and shape[1] == head_dim
+        and cos.dtype is torch.float32
+        and sin.dtype is torch.float32
         and cos.is_cpu
         and cos.is_contiguous()
         and sin.is_contiguous()
