@@ -150,6 +150,7 @@ def _tiny_token(a: dict) -> dict:
     refuses an output that is not finite); the flash ops' arguments as they are."""
     return {"x": a["x"] * 1e-20} if "x" in a else {}
 
+
 # (case, the argument its error must name, the arguments it changes: a -> {name: value}).
 # A case named "valid..." must return a result.
 DECODE_CASES = [

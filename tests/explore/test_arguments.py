@@ -151,7 +151,7 @@ def test_a_folder_whose_config_is_not_a_config_says_so(config, no_hub, tmp_path)
 
 
 def test_a_path_under_the_home_folder_loads_as_written(tmp_path, monkeypatch):
-    """"~/tiny" is the folder, as a shell would read it (transformers takes "~/tiny" as a
+    """ "~/tiny" is the folder, as a shell would read it (transformers takes "~/tiny" as a
     hub name and refuses it)."""
     from transformers import GPT2Config, GPT2Model
 
