@@ -560,3 +560,30 @@ def test_a_lazily_negated_view_is_read_by_its_values():
     with pytest.raises(RuntimeError, match="x is a lazily negated or conjugated view"):
         decode_cpu.step(torch._neg_view(-x), weights, 4, 0.25, cache, None)
     assert cache.position == 0
+
+
+def test_nn_linear_patched_before_attnlab_is_imported_is_seen():
+    """A patch made before `import attnlab` (a LoRA extension loaded first) is what attnlab
+    finds at import: it is checked to be torch's own code, so the fast paths still call it."""
+    script = (
+        "import torch\n"
+        "from torch import nn\n"
+        "original = nn.Linear.forward\n"
+        "nn.Linear.forward = lambda self, x: original(self, x) + 1.0\n"
+        "import attnlab\n"
+        "from attnlab import plan\n"
+        "torch.manual_seed(0)\n"
+        "m = attnlab.MultiHeadAttention(16, 32, 48, 0.0, 4, num_kv_heads=2).eval()\n"
+        "x = torch.randn(40, 1, 16)\n"
+        "with torch.no_grad():\n"
+        "    many, one = m(x), m(x[:1])\n"
+        "    step = m(x[:1], cache=m.make_cache(1, 4))\n"
+        "assert not plan.linear_code_as_torch_wrote_it()\n"
+        "torch.testing.assert_close(one, many[:1])\n"
+        "torch.testing.assert_close(step, many[:1])\n"
+        "print('seen')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "seen" in result.stdout, result.stderr[-2000:]
