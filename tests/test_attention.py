@@ -393,3 +393,31 @@ def test_a_non_finite_input_is_refused_naming_it():
     x[0, 2, 1] = torch.inf
     with pytest.raises(ValueError, match=r"x has a non-finite value \(inf\) at index \(0, 2, 1\)"):
         m(x)
+
+
+def test_scale_set_after_construction_is_checked_as_at_construction():
+    m = MultiHeadAttention(8, 8, 16, 0.0, 2)
+    for bad, error in ((-1.0, ValueError), (0.0, ValueError), (1e39, ValueError), ("2", TypeError)):
+        with pytest.raises(error, match="scale"):
+            m.scale = bad
+    assert m.scale is None
+    m.scale = 0.25
+    assert m.attention_scale == 0.25 and m.config["scale"] == 0.25
+    m.scale = None
+    assert m.attention_scale == pytest.approx(4**-0.5)
+
+
+def test_a_cache_inside_a_torch_func_transform_is_a_named_error():
+    """torch.func refuses in-place writes to captured tensors: a cached call inside vmap or
+    jvp is refused by name, the cache unchanged; without a cache the transforms run."""
+    torch.manual_seed(1)
+    m = MultiHeadAttention(8, 8, 16, 0.0, 2).eval()
+    x = torch.randn(3, 2, 8)
+    cache = m.make_cache(1, 8)
+    with pytest.raises(ValueError, match=r"a torch\.func transform"):
+        torch.func.vmap(lambda y: m(y[None], cache=cache))(x)
+    with pytest.raises(ValueError, match=r"a torch\.func transform"):
+        torch.func.jvp(lambda y: m(y, cache=cache), (x[:1],), (x[:1],))
+    assert cache.position == 0
+    batched = torch.func.vmap(lambda y: m(y[None])[0])(x)
+    torch.testing.assert_close(batched, m(x), atol=1e-6, rtol=1e-6)

@@ -241,3 +241,24 @@ def test_a_keys_mask_of_any_rank_works_on_every_backend(backend, causal):
     for mask in (keys, keys.expand(40, 40), keys.view(1, 1, 1, 40)):
         out = attention(q, k, v, mask=mask, causal=causal, backend=backend)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "flash"])
+def test_forward_mode_ad_takes_math_or_is_refused_by_name(backend):
+    """Under torch.autograd.forward_ad, "auto" computes on math (whose ops carry tangents):
+    the tangent equals torch.func.jvp's through the math backend; "sdpa" and "flash", which
+    have none, are a named ValueError (was torch's NotImplementedError)."""
+    import torch.autograd.forward_ad as fwad
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, t = (torch.randn(1, 2, 130, 8, generator=g) for _ in range(4))
+    _, want = torch.func.jvp(lambda y: attention(y, k, v, causal=True, backend="math"), (q,), (t,))
+    with fwad.dual_level():
+        dual = fwad.make_dual(q, t)
+        if backend in ("sdpa", "flash"):
+            with pytest.raises(ValueError, match=f"the '{backend}' backend has no forward-mode"):
+                attention(dual, k, v, causal=True, backend=backend)
+            return
+        out = attention(dual, k, v, causal=True, backend=backend)
+        tangent = fwad.unpack_dual(out).tangent
+    torch.testing.assert_close(tangent, want, atol=1e-5, rtol=1e-5)

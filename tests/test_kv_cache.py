@@ -483,3 +483,23 @@ def test_a_cached_decode_step_off_the_cpu_dispatches_at_most_1_1x_a_minimal_laye
             reference(x, torch.tensor([5], device="meta"))
     assert sum(ours.ops.values()) <= 1.1 * sum(theirs.ops.values()), (ours.ops, theirs.ops)
     assert ours.ops["aten.clone"] <= theirs.ops["aten.clone"]
+
+
+def test_a_step_under_no_grad_after_a_recorded_prefill_keeps_its_backward():
+    """A prefill recorded by autograd, then a token decoded under no_grad (sampling), then
+    the prefill's backward: the buffers autograd saved are not written in place, and the
+    gradients equal those without the extra step."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 32, 64, 0.0, 4)
+    x = torch.randn(1, 6, 32)
+    grads = []
+    for extra_step in (False, True):
+        m.zero_grad()
+        cache = m.make_cache(1, 16)
+        y = m(x[:, :5], cache=cache)
+        if extra_step:
+            with torch.no_grad():
+                m(x[:, 5:6], cache=cache)
+        y.sum().backward()
+        grads.append(m.qkv_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0])

@@ -562,14 +562,24 @@ def test_a_lazily_negated_view_is_read_by_its_values():
     assert cache.position == 0
 
 
-def test_nn_linear_patched_before_attnlab_is_imported_is_seen():
+@pytest.mark.parametrize(
+    "patch",
+    [
+        "lambda self, x: original(self, x) + 1.0",
+        "functools.partialmethod(lambda self, x, shift: original(self, x) + shift, shift=1.0)",
+    ],
+    ids=["function", "no code object"],
+)
+def test_nn_linear_patched_before_attnlab_is_imported_is_seen(patch):
     """A patch made before `import attnlab` (a LoRA extension loaded first) is what attnlab
-    finds at import: it is checked to be torch's own code, so the fast paths still call it."""
+    finds at import: it is checked to be torch's own code, so the fast paths still call it
+    (a patch without a code object of its own, a partialmethod, too)."""
     script = (
+        "import functools\n"
         "import torch\n"
         "from torch import nn\n"
         "original = nn.Linear.forward\n"
-        "nn.Linear.forward = lambda self, x: original(self, x) + 1.0\n"
+        f"nn.Linear.forward = {patch}\n"
         "import attnlab\n"
         "from attnlab import plan\n"
         "torch.manual_seed(0)\n"
@@ -587,3 +597,91 @@ def test_nn_linear_patched_before_attnlab_is_imported_is_seen():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "seen" in result.stdout, result.stderr[-2000:]
+
+
+# --- the second outside pass (issue 37): transforms, torch's functions, the mutation run ----
+
+
+def test_forward_mode_ad_through_a_one_token_step_carries_its_tangent():
+    """Under torch.autograd.forward_ad the native step (raw memory, no tangent) is not taken:
+    the tangent of a 1-token cached step equals torch.func.jvp of the full forward's."""
+    import torch.autograd.forward_ad as fwad
+
+    m = build(6)
+    x, t = torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+    t[:, :2] = 0.0  # the prefix is cached without a tangent
+    _, want = torch.func.jvp(lambda y: m(y), (x,), (t,))
+    cache = m.make_cache(1, 8)
+    with torch.no_grad():
+        m(x[:, :2], cache=cache)
+        with fwad.dual_level():
+            out = m(fwad.make_dual(x[:, 2:], t[:, 2:]), cache=cache)
+            tangent = fwad.unpack_dual(out).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, want[:, 2:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bmm", "baddbmm"])
+def test_torchs_batched_products_patched_change_no_projection(name, monkeypatch):
+    """The blocked projection stands for F.linear, which never calls torch.bmm or
+    torch.baddbmm: patching those names changes neither the 1-row nor the 40-row output."""
+    m = build(7)
+    x = torch.randn(40, 1, 16)
+    with torch.no_grad():
+        want = m(x)
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, **k: original(*a, **k) + 1.0)
+        torch.testing.assert_close(m(x[:1]), want[:1])
+        torch.testing.assert_close(m(x), want)
+
+
+def test_a_backward_pre_hook_on_a_projection_runs_for_a_few_rows():
+    """A projection with a backward pre-hook is not pristine: the blocked projection, which
+    computes the layer without calling it, must not skip the hook."""
+    m = build(8)
+    calls = []
+    m.qkv_proj.register_full_backward_pre_hook(lambda module, grad: calls.append(1))
+    x = torch.randn(1, 3, 16, requires_grad=True)
+    m(x).sum().backward()
+    assert calls == [1]
+
+
+def test_a_lazily_negated_bias_is_read_by_its_values():
+    m = build(9, qkv_bias=True)
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        want = m(x, cache=m.make_cache(1, 4))
+        m.qkv_proj.bias = nn.Parameter(torch._neg_view(-m.qkv_proj.bias.detach()))
+        torch.testing.assert_close(m(x, cache=m.make_cache(1, 4)), want)
+        torch.testing.assert_close(m(x), want)
+
+
+def test_a_patched_nn_linear_that_casts_is_called_not_refused_for_its_dtype(monkeypatch):
+    """The named dtype error speaks for torch's own nn.Linear: a class-level patch that casts
+    its input to the weight's dtype (what some adapters do) is called, not refused."""
+    m = build(10)
+    m.out_proj.double()
+    original = nn.Linear.forward
+    monkeypatch.setattr(
+        nn.Linear,
+        "forward",
+        lambda self, y: original(self, y.to(self.weight.dtype)).to(y.dtype),
+    )
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        out = m(x)
+        want = build(10)(x)  # float32 weights of the same values: the patch casts to them
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_torchs_own_code_is_told_from_anything_else():
+    """plan._is_torchs: nn.Linear's and nn.Module's functions are torch's; a function of
+    another file, and a callable without a code object (functools.partial), are not."""
+    import functools
+
+    assert plan._is_torchs(nn.Linear.forward, "forward")
+    assert plan._is_torchs(nn.Module._call_impl, "_call_impl")
+    assert not plan._is_torchs(lambda self, x: x, "forward")
+    assert not plan._is_torchs(functools.partial(nn.Linear.forward), "forward")
+    assert not plan._is_torchs(nn.Module._call_impl, "forward")  # module.py, not linear.py

@@ -168,9 +168,7 @@ class MultiHeadAttention(nn.Module):
                 rotary_dim=self.rotary_dim,
                 device=factory["device"],
             )
-        self.scale = None if scale is None else check_float("scale", scale, greater_than=0.0)
-        if self.scale is not None:  # finite where the scores are computed: float32 at least
-            functional.check_scale_in(self.scale, torch.float32)
+        self.scale = scale  # checked by its setter
         self._make_qk_norms(qk_norm, qk_norm_eps, qk_norm_offset, factory)
         if self.fused:
             self.qkv_proj = nn.Linear(d_in, d_out + 2 * self.kv_dim, bias=qkv_bias, **factory)
@@ -195,6 +193,19 @@ class MultiHeadAttention(nn.Module):
         options = {"offset": self.qk_norm_offset, **factory}
         self.q_norm = RMSNorm(q_dim, self.qk_norm_eps, **options)
         self.k_norm = RMSNorm(k_dim, self.qk_norm_eps, **options)
+
+    @property
+    def scale(self) -> float | None:
+        """The scores' scale as given (None: 1 / sqrt(head_dim), attention_scale's default);
+        set it to another positive float, finite in float32, or None."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, scale: float | None) -> None:
+        if scale is not None:
+            scale = check_float("scale", scale, greater_than=0.0)
+            functional.check_scale_in(scale, torch.float32)  # where the scores are computed
+        self._scale = scale
 
     @property
     def attention_scale(self) -> float:
@@ -507,6 +518,12 @@ class MultiHeadAttention(nn.Module):
     ) -> int:
         """Absolute position of x's first token, after checking that the cache fits."""
         start = 0
+        if cache is not None and debug.under_transform() and not _forward_ad_only():
+            raise ValueError(
+                "a cache is written in place, which a torch.func transform (vmap, grad, jvp) "
+                "refuses: call the module with a cache outside the transform, or without one "
+                "inside it (forward-mode AD through torch.autograd.forward_ad decodes)"
+            )
         if isinstance(cache, StaticKVCache):
             self._check_static_cache(cache, x, context)
             # the host's count, never read under torch.compile (a guard per position)
@@ -809,6 +826,11 @@ class MultiHeadAttention(nn.Module):
         one this file defines: False for a subclass that overrides any of them, and for a
         patch of the class itself (MultiHeadAttention._combine_heads = ...)."""
         return _OWN_CODE(cls) == _OWN
+
+
+def _forward_ad_only() -> bool:
+    """No torch.func transform is active (forward-mode AD alone decodes with a cache)."""
+    return torch._C._functorch.peek_interpreter_stack() is None
 
 
 # an input's name -> the name of its width and its layout, for check_tensor's messages

@@ -68,8 +68,22 @@ def checks(on: bool = True) -> Iterator[None]:
         _forced.reset(token)
 
 
+def under_transform() -> bool:
+    """True inside a torch.func transform (vmap, grad, jvp, functionalize) or a forward-mode
+    AD level (torch.autograd.forward_ad.dual_level): there a tensor may be a wrapper whose
+    memory is not its values, and a value read (.item()) is refused. False while
+    torch.compile traces (its own tracing keeps such a stack; it handles transforms itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    return (
+        torch._C._functorch.peek_interpreter_stack() is not None
+        or torch.autograd.forward_ad._current_level >= 0
+    )
+
+
 def reads_values(t: torch.Tensor) -> bool:
-    """Whether a value check runs on `t` now: never while torch.compile traces, nor on a
+    """Whether a value check runs on `t` now: never while torch.compile traces or a
+    torch.func transform or forward-mode AD level is active (under_transform), nor on a
     tensor without values (meta); then as the switch says; by default only on the CPU.
 
     Args:
@@ -78,7 +92,7 @@ def reads_values(t: torch.Tensor) -> bool:
     Returns:
         True when the check runs.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or under_transform():
         return False
     switch = enabled()
     if switch is not None:

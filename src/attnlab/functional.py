@@ -25,7 +25,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from attnlab import flash_cpu, heads, masks, padded
+from attnlab import debug, flash_cpu, heads, masks, padded
 from attnlab._validate import (
     check_additive_mask,
     check_bool,
@@ -163,7 +163,7 @@ def attend(
         backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )
     plain = not need_weights and sinks is None and softcap is None and dropout_p == 0.0
-    if backend in ("auto", "flash") and plain:
+    if backend in ("auto", "flash") and plain and not debug.under_transform():
         ranges = _padded_key_ranges((q, k, v), mask, causal, backend)
         if ranges is not None:  # causal & padding: the kernel on each sequence's real keys
             return padded.attention(q, k, v, ranges, scale)
@@ -490,6 +490,11 @@ def check_backend_call(
         ValueError: not a backend, or one that cannot run this call (the message says why).
     """
     backend = check_backend(backend)
+    if backend in ("sdpa", "flash") and torch.autograd.forward_ad._current_level >= 0:
+        raise ValueError(
+            f"the {backend!r} backend has no forward-mode AD (a forward_ad.dual_level is "
+            f"active): use backend 'math' or 'auto'"
+        )
     if need_weights and backend in ("sdpa", "flash"):
         raise ValueError(
             f"need_weights=True needs backend 'math' or 'auto': the {backend!r} backend "
@@ -548,6 +553,8 @@ def _choose_backend(
     if backend != "auto":
         return backend
     if need_weights or softcap is not None or _reads_cache_faster(q, k):
+        return "math"
+    if debug.under_transform():  # forward-mode AD: only math's ops carry tangents
         return "math"
     causal_flash = not _trained(mask, sinks) and _flash_helps(qkv, causal, dropout_p)
     return "flash" if causal_flash else "sdpa"

@@ -460,9 +460,11 @@ class KVCache:
         return (x.transpose(-2, -1) if self.tokens_last else x), scales
 
     def _records_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        return k.requires_grad or v.requires_grad or self._keys_t.requires_grad
+        """Whether the write must be out of place: autograd records it, or the buffers are
+        part of a recorded graph (a prefill under grad saved them, whatever the mode now)."""
+        if self._keys_t.requires_grad or self._values_t.requires_grad:
+            return True
+        return torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
 
     @contextlib.contextmanager
     def transaction(self, num_new: int) -> Iterator[None]:

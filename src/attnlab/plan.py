@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from torch.nn.modules import linear as _linear
 from torch.nn.modules import module as _module
 
-from attnlab import decode_cpu, matvec
+from attnlab import debug, decode_cpu, matvec
 from attnlab.kv_cache import KVCache
 from attnlab.rope import RotaryEmbedding
 from attnlab.rope import code_as_written as rope_code_as_written
@@ -279,7 +279,7 @@ def native_decode(
         return None
     if x.is_neg():  # a lazily negated view: the kernel reads its memory
         return None
-    if not no_active_modes():
+    if not no_active_modes() or debug.under_transform():  # wrappers, dual tensors
         return None
     if torch.is_autocast_enabled("cpu") or type(cache) is not KVCache:
         return None
