@@ -231,6 +231,10 @@ TABLES = {
     "cos strided": lambda cos, sin: (_non_contiguous(cos), sin),
     "sin strided": lambda cos, sin: (cos, _non_contiguous(sin)),
     "float64": lambda cos, sin: (cos.double(), sin.double()),
+    "cos float64": lambda cos, sin: (cos.double(), sin),
+    "sin float64": lambda cos, sin: (cos, sin.double()),
+    "cos negated view": lambda cos, sin: (torch._neg_view(-cos), sin),
+    "sin negated view": lambda cos, sin: (cos, torch._neg_view(-sin)),
     "a longer sin": lambda cos, sin: (cos, RotaryEmbedding(8, 96).sin),  # the same 48 rows
 }
 BAD_TABLES = {  # the Python path's error (the rope's own, or reading the shape), no write
@@ -552,9 +556,9 @@ def test_a_lazily_negated_view_is_read_by_its_values():
     x = torch.randn(1, 1, 16)
     with torch.no_grad():
         want = m(x, cache=m.make_cache(1, 4))
+        torch.testing.assert_close(m(torch._neg_view(-x), cache=m.make_cache(1, 4)), want)
         m.out_proj.weight = nn.Parameter(torch._neg_view(-m.out_proj.weight.detach()))
         torch.testing.assert_close(m(x, cache=m.make_cache(1, 4)), want)
-        torch.testing.assert_close(m(torch._neg_view(-x), cache=m.make_cache(1, 4)), want)
     cache = m.make_cache(1, 4)
     weights = plan.native_module(build(5))
     with pytest.raises(RuntimeError, match="x is a lazily negated or conjugated view"):
@@ -685,3 +689,18 @@ def test_torchs_own_code_is_told_from_anything_else():
     assert not plan._is_torchs(lambda self, x: x, "forward")
     assert not plan._is_torchs(functools.partial(nn.Linear.forward), "forward")
     assert not plan._is_torchs(nn.Module._call_impl, "forward")  # module.py, not linear.py
+
+
+def test_rotary_embedding_patched_on_the_class_is_run_by_a_decode_step(monkeypatch):
+    """RotaryEmbedding.forward patched on the class (any of its methods): the native step,
+    which reads its tables, is not taken; the cached step equals the patched full forward."""
+    m = build(11, rope=True)
+    original = RotaryEmbedding.forward
+    monkeypatch.setattr(
+        RotaryEmbedding, "forward", lambda self, x, start=0: original(self, x, start) * 2.0
+    )
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        cache = m.make_cache(1, 8)
+        assert plan.native_decode(m, x[:, :1], cache) is None
+        torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
