@@ -9,13 +9,22 @@ stated positively and checked on every call (attribute reads and comparisons): e
 projection is exactly an `nn.Linear` of the expected shapes whose instance holds nothing a
 fresh `nn.Linear` does not (no instance `forward` or `__call__`, as accelerate's hooks and
 many adapters attach, no attribute of its own), whose `weight` and `bias` are registered
-`nn.Parameter`s, with no hook of any kind, local or global, forward or backward; the rotary
-embedding is exactly attnlab's, in the same sense, with tables long enough; the module's
-own steps (no subclass or instance override); inputs and weights plain tensors (no
-subclass); no torch function mode or dispatch mode active (op-level instrumentation,
-FlopCounter-like tools, quantisation and sharding frameworks, FakeTensorMode); float32 on
-the CPU; no autocast, tracing or autograd recording. Anything else, whatever the user did
-to the module, takes the reference path, which calls the submodules as they are.
+`nn.Parameter`s, with no hook of any kind, local or global, forward or backward; the code
+they run torch's own as torch wrote it (nn.Linear's forward and call machinery, F.linear:
+no class-level patch, made before or after attnlab was imported); the rotary embedding is
+exactly attnlab's, in the same sense, with tables long enough; the module's own code (no
+subclass override of any method MultiHeadAttention defines, no instance or class-level
+patch); inputs, weights and tables plain tensors (no subclass, no lazily negated view); no
+torch function mode or dispatch mode active (op-level instrumentation, FlopCounter-like
+tools, quantisation and sharding frameworks, FakeTensorMode), no torch.func transform or
+forward-mode AD level; float32 on the CPU; no autocast, tracing or autograd recording.
+Anything else, whatever the user did to the module, takes the reference path, which calls
+the submodules as they are.
+
+What the fast paths stand for is what the module calls (its layers and their code). The
+attention itself (scores, softmax, weighted values) is attnlab's own arithmetic: a patch of
+a torch function it happens to use on the Python path (torch.softmax, Tensor.__matmul__)
+changes that path's arithmetic and not the native step's, and is outside this contract.
 
 Checking on every call is the plan's invalidation: nothing the user changes (a submodule
 replaced, a parameter swapped or reshaped, a hook added, the rope tables, dtype, device,
