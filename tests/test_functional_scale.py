@@ -110,21 +110,33 @@ def test_a_modules_scale_is_checked_in_the_dtypes_it_is_used_in():
 
 
 @pytest.mark.parametrize("rolling", [False, True])
-def test_a_module_whose_arithmetic_overflows_names_it_and_keeps_its_cache(rolling):
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("store", ["float32", "float16", "static"])
+def test_a_module_whose_arithmetic_overflows_names_it_and_keeps_its_cache(rolling, tokens, store):
     """Finite x of 1e25: the projections and scores overflow float32. The full forward and
-    a cached step (the native step where it runs, the Python path otherwise) raise a
-    ValueError; the cache keeps its position and what it held: the next step equals that
-    of a twin cache that never saw the call."""
+    a cached call of 1 token (the native step where it runs) or 2 (the Python path) raise a
+    ValueError, and the cache keeps its position and what it held: the next step equals
+    that of a twin cache that never saw the call (was: the Python path's tokens stayed)."""
+    if store == "static" and rolling:
+        pytest.skip("a static cache holds every position: no rolling window")
     torch.manual_seed(0)
     module = MultiHeadAttention(8, 8, 16, 0.0, 2, window=2 if rolling else None).eval()
     prompt, big, after = torch.randn(1, 3, 8), torch.randn(1, 1, 8) * 1e25, torch.randn(1, 1, 8)
+    big = big.expand(1, tokens, 8)  # its score with itself overflows to +inf: NaN weights
+
+    def make():
+        if store == "static":
+            return module.make_cache(1, 8, static=True)
+        return module.make_cache(1, 8, dtype=getattr(torch, store))
+
     with torch.no_grad():
         with pytest.raises(ValueError, match="overflowed"):
             module(torch.cat([prompt, big], dim=1))
-        cache, twin = module.make_cache(1, 8), module.make_cache(1, 8)
+        cache, twin = make(), make()
         module(prompt, cache=cache)
         module(prompt, cache=twin)
         with pytest.raises(ValueError, match="overflowed"):
             module(big, cache=cache)
-        assert cache.position == 3
+        held = cache.tokens if store == "static" else cache.position
+        assert held == 3
         torch.testing.assert_close(module(after, cache=cache), module(after, cache=twin))

@@ -625,3 +625,29 @@ def test_under_a_function_mode_or_a_patched_linear_kv_b_proj_is_called(monkeypat
                 mode.__exit__(None, None, None)
             else:
                 leave()
+
+
+@pytest.mark.parametrize("absorb", [None, True, False])
+def test_scores_that_overflow_are_a_value_error_and_the_cache_is_kept(absorb):
+    """Finite inputs whose arithmetic overflows float32: a named ValueError (was NaN), and
+    a latent cache keeps what it held."""
+    torch.manual_seed(8)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval()
+    prompt, big = torch.randn(1, 3, 16), torch.randn(1, 1, 16) * 1e25
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="overflowed"):
+            m(torch.cat([prompt, big], dim=1), absorb=absorb if absorb is not True else None)
+        cache = m.make_cache(1, 8)
+        m(prompt, cache=cache)
+        with pytest.raises(ValueError, match="overflowed"):
+            m(big, cache=cache, absorb=absorb)
+    assert cache.position == 3
+
+
+@pytest.mark.parametrize("name", ["q_proj", "kv_b_proj", "o_proj"])
+def test_a_projection_in_another_dtype_is_a_named_type_error(name):
+    torch.manual_seed(9)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64)
+    getattr(m, name).double()
+    with pytest.raises(TypeError, match=f"{name}'s weight is torch.float64"):
+        m(torch.randn(1, 3, 16))

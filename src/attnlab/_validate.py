@@ -214,10 +214,17 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def check_finite_result(result: object, cause: str) -> object:
+_MODULE_OVERFLOW = (
+    "the projections or the scores overflowed (x's values times the weights, or the scale "
+    "times q . k, past the dtype's largest value)"
+)
+
+
+def check_finite_result(result: object, cause: str = _MODULE_OVERFLOW) -> object:
     """Return `result` (an output tensor, or a tuple whose first item is one) if the output
     is finite, else raise ValueError: every input was finite, so the arithmetic overflowed,
-    and `cause` says where. Runs where attnlab.debug.reads_values says (CPU by default)."""
+    and `cause` says where (default: a module's projections or scores). Runs where
+    attnlab.debug.reads_values says (CPU by default)."""
     out = result[0] if isinstance(result, tuple) else result
     if not debug.reads_values(out) or bool(torch.isfinite(out.sum())):  # one read
         return result

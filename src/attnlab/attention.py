@@ -384,9 +384,7 @@ class MultiHeadAttention(nn.Module):
                 return out
         self._check_layers(start, x, context)  # what the Python path will call
         self._check_finite("x", x)
-        return check_finite_result(
-            self._execute(x, context, mask, need_weights, start, cache), _OVERFLOW
-        )
+        return self._execute(x, context, mask, need_weights, start, cache)
 
     def _execute(
         self,
@@ -397,13 +395,16 @@ class MultiHeadAttention(nn.Module):
         start: int,
         cache: KVCache | StaticKVCache | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The Python path for a checked call, by the cache it writes (if any)."""
+        """The Python path for a checked call, by the cache it writes (if any); an output
+        that overflowed raises before the call counts (the cache as it was)."""
         if cache is None:
-            return self._attend(x, context, mask, need_weights, start, None)
+            result = self._attend(x, context, mask, need_weights, start, None)
+            return check_finite_result(result)
         if isinstance(cache, StaticKVCache):  # its position moves only once the step is done
             return self._attend_static(x, mask, need_weights, cache)
         with cache.transaction(x.shape[1]):  # a call that raises leaves the cache as it was
-            return self._attend(x, context, mask, need_weights, start, cache)
+            result = self._attend(x, context, mask, need_weights, start, cache)
+            return check_finite_result(result)
 
     def _native_step(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """The native decode step's output where the call plan takes it (attnlab.plan), else
@@ -486,6 +487,7 @@ class MultiHeadAttention(nn.Module):
         )
         out, weights = result if need_weights else (result, None)
         out = self._combine_heads(out)
+        check_finite_result(out)
         cache._advance(x.shape[1])  # last: a step that raised has moved nothing
         return (out, weights) if need_weights else out
 
@@ -726,7 +728,7 @@ class MultiHeadAttention(nn.Module):
         for name, (width, features) in self._projections().items():
             layer = self._modules.get(name)
             _check_projection(name, layer, width, features)
-            _check_projection_dtype(name, layer, x)
+            plan.check_projection_dtype(name, layer, x)
         if self.rope is None or context is not None:
             return
         rope = self.rope
@@ -839,11 +841,6 @@ _LAYOUTS = {
     "context": ("context_dim", "(batch, tokens, context_dim)"),
 }
 
-_OVERFLOW = (
-    "the projections or the scores overflowed (x's values times the weights, or the scale "
-    "times q . k, past the dtype's largest value)"
-)
-
 # every function, property and classmethod MultiHeadAttention defines, read in one C call
 # (operator.attrgetter) and compared with what this file defined: the fast paths stand for
 # all of them, so any other (a subclass's, a class-level patch) takes the Python path
@@ -875,29 +872,6 @@ def _check_projection(name: str, layer: object, width: int | None, features: int
             f"its output width; got weight {tuple(weight.shape)} and bias "
             f"{None if bias is None else tuple(bias.shape)}"
         )
-
-
-def _check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
-    """A pristine nn.Linear's weight (plan.pristine_linear: nothing that could cast or move
-    its input, as accelerate's offloading hooks do) is in x's dtype (unless autocast casts)
-    and on its device: else F.linear's raw dtype or device RuntimeError would be the user's
-    message."""
-    if torch.compiler.is_compiling():  # a mismatch fails the trace itself
-        return
-    if not plan.pristine_linear(layer) or not plan.no_active_modes():
-        return
-    for part in ("weight", "bias"):
-        tensor = getattr(layer, part)
-        if tensor is None:
-            continue
-        if tensor.device != x.device:
-            raise ValueError(f"{name}'s {part} is on {tensor.device} but x is on {x.device}")
-        if tensor.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(
-                f"{name}'s {part} is {tensor.dtype} but the module computes in {x.dtype} (x's "
-                f"and its first projection's dtype): convert the whole module, e.g. "
-                f"module.to({x.dtype})"
-            )
 
 
 def _sums_finite(x: torch.Tensor) -> bool:

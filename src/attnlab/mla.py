@@ -48,6 +48,7 @@ from attnlab._validate import (
     check_device,
     check_dropout,
     check_finite,
+    check_finite_result,
     check_float,
     check_float_dtype,
     check_like_parameter,
@@ -340,6 +341,8 @@ class MultiHeadLatentAttention(nn.Module):
             last_dim_name="d_model",
         )  # fmt: skip
         check_like_parameter("x", x, self._parameter())
+        for name, layer in self.named_children():  # pristine projections in x's dtype
+            plan.check_projection_dtype(name, layer, x)
         check_bool("need_weights", need_weights)
         if absorb is not None:
             check_bool("absorb", absorb)
@@ -351,9 +354,11 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed = self._absorbed(absorb, tq, start + tq)
         check_finite("x", x)  # where attnlab.debug lets a check read values
         if cache is None:
-            return self._attend(x, mask, need_weights, absorbed, 0, None)
+            result = self._attend(x, mask, need_weights, absorbed, 0, None)
+            return check_finite_result(result)
         with cache.transaction():  # a call that raises leaves the cache as it was
-            return self._attend(x, mask, need_weights, absorbed, start, cache)
+            result = self._attend(x, mask, need_weights, absorbed, start, cache)
+            return check_finite_result(result)
 
     def absorbs(self, num_queries: int, num_keys: int) -> bool:
         """Whether the absorbed path is the default for `num_queries` queries against

@@ -202,6 +202,39 @@ def _plain_tensors(layer: object, shape: tuple[int | None, int]) -> tuple | None
     return None
 
 
+def check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
+    """Raise unless a pristine nn.Linear's weight and bias (pristine_linear: nothing that
+    could cast or move its input, as accelerate's offloading hooks do) are in x's dtype
+    (unless autocast casts) and on its device: else F.linear's raw dtype or device
+    RuntimeError would be the user's message.
+
+    Args:
+        name: the projection's name, for the message.
+        layer: the projection, any module (only a pristine nn.Linear is judged).
+        x: the module's input.
+
+    Raises:
+        ValueError: a weight or bias on another device than x.
+        TypeError: a weight or bias in another dtype than x, outside autocast.
+    """
+    if torch.compiler.is_compiling():  # a mismatch fails the trace itself
+        return
+    if not pristine_linear(layer) or not no_active_modes():
+        return
+    for part in ("weight", "bias"):
+        tensor = getattr(layer, part)
+        if tensor is None:
+            continue
+        if tensor.device != x.device:
+            raise ValueError(f"{name}'s {part} is on {tensor.device} but x is on {x.device}")
+        if tensor.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name}'s {part} is {tensor.dtype} but the module computes in {x.dtype} (x's "
+                f"and its first projection's dtype): convert the whole module, e.g. "
+                f"module.to({x.dtype})"
+            )
+
+
 def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int | None, int]) -> bool:
     """Whether matvec.linear may compute `layer(x)` for x (..., in): a plain nn.Linear of
     `shape`, no global hooks, and matvec faster for x's rows (outside compilation, which
