@@ -704,3 +704,41 @@ def test_rotary_embedding_patched_on_the_class_is_run_by_a_decode_step(monkeypat
         cache = m.make_cache(1, 8)
         assert plan.native_decode(m, x[:, :1], cache) is None
         torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
+
+
+class _CastingLinear(torch.overrides.TorchFunctionMode):
+    """A function mode that runs F.linear in its weight's dtype (what a quantisation or
+    offloading framework may do): a projection in another dtype then computes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            return func(x.to(weight.dtype), weight, bias).to(x.dtype)
+        return func(*args, **kwargs)
+
+
+def test_under_a_function_mode_a_projection_in_another_dtype_is_called_not_refused():
+    """The named dtype error speaks for torch's own F.linear: under a function mode, which
+    may cast (here to the weight's dtype), the projection is called and computes."""
+    m = build(12)
+    m.out_proj.double()
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad(), _CastingLinear():
+        out = m(x)
+    with torch.no_grad():
+        want = build(12)(x)  # float32 weights of the same values
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_under_autocast_a_float64_projection_is_a_named_type_error():
+    """CPU autocast casts float32 parameters, not float64 ones: a float64 bias under
+    autocast is the named TypeError, as outside it (was torch's raw dtype error)."""
+    m = build(13, qkv_bias=True)
+    m.out_proj.bias = nn.Parameter(m.out_proj.bias.detach().double())
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(TypeError, match=r"out_proj's bias is torch\.float64"),
+    ):
+        m(torch.randn(1, 3, 16))

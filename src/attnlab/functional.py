@@ -490,6 +490,11 @@ def check_backend_call(
         ValueError: not a backend, or one that cannot run this call (the message says why).
     """
     backend = check_backend(backend)
+    if backend == "flash" and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise ValueError(
+            "the 'flash' backend has no torch.func batching or transform rules (vmap, "
+            "jacrev, grad): use backend 'math', 'sdpa' or 'auto'"
+        )
     if backend in ("sdpa", "flash") and torch.autograd.forward_ad._current_level >= 0:
         raise ValueError(
             f"the {backend!r} backend has no forward-mode AD (a forward_ad.dual_level is "
