@@ -140,3 +140,37 @@ def test_a_module_whose_arithmetic_overflows_names_it_and_keeps_its_cache(rollin
         held = cache.tokens if store == "static" else cache.position
         assert held == 3
         torch.testing.assert_close(module(after, cache=cache), module(after, cache=twin))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scores_that_overflow_to_minus_infinity_on_every_key_are_a_value_error(backend):
+    """q . k of about -1e40 on every key: each kernel reads the row as having no key and
+    gives zeros, where the softmax's answer is the one key's value. A ValueError instead
+    (was zeros on auto, sdpa and flash); a row left with no key by the mask still gives
+    zeros, with no error."""
+    if not _runs(backend, torch.float32):
+        pytest.skip("the flash kernel is unavailable here")
+    q = torch.full((1, 1, 1, 8), 1e20)
+    k, v = -q, torch.ones(1, 1, 1, 8)
+    with pytest.raises(ValueError, match=r"scores past float32's largest value|overflowed"):
+        attention(q, k, v, backend=backend)
+    masked = attention(q, k, v, mask=torch.zeros(1, 1, dtype=torch.bool), backend=backend)
+    assert torch.equal(masked, torch.zeros_like(masked))
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_a_module_whose_scores_overflow_to_minus_infinity_names_it(cache):
+    torch.manual_seed(0)
+    d = 16
+    m = MultiHeadAttention(d, d, 8, 0.0, 2).eval()
+    with torch.no_grad():
+        weight = m.qkv_proj.weight
+        weight[:d] = -weight[d : 2 * d]  # q = -k
+        weight[2 * d :] *= 1e-20  # tiny values
+        x = torch.full((1, 1, d), 3e19)
+        x[..., ::2] *= -1
+        made = None if cache is None else m.make_cache(1, 4, static=True)
+        with pytest.raises(ValueError, match="scores past float32's largest value"):
+            m(x, cache=made)
+    if made is not None:
+        assert made.tokens == 0

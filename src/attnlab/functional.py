@@ -159,6 +159,87 @@ def attend(
     Raises:
         ValueError: the backend cannot run the call (check_backend_call).
     """
+    result = _attend_any(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        backend=backend,
+        sinks=sinks,
+        softcap=softcap,
+        nonempty_rows=nonempty_rows,
+    )
+    out = result[0] if isinstance(result, tuple) else result
+    if debug.reads_values(out) and (out.dim() == 4 and out.shape[-1]):
+        _check_zero_rows(out, q, k, scale, mask, causal)
+    return result
+
+
+def _check_zero_rows(out, q, k, scale: float, mask: torch.Tensor | None, causal: bool) -> None:
+    """A row of zeros is a query with no key left, or one whose every score overflowed to
+    -inf, which every kernel takes for "no key" (the softmax's true answer is its largest
+    score's value). Rows of zeros whose scores could overflow by the Cauchy-Schwarz bound
+    (|q| max |k| scale past float32's largest value) get their scores computed in float64:
+    one past it is a ValueError. One pass over the output; over k only when a zero row
+    appears (padding), and the exact scores only for rows the bound cannot clear."""
+    if k.shape[2] == 0:  # no key at all: zeros are the answer
+        return
+    zero_rows = (out == 0).all(dim=-1)  # (b, hq, tq)
+    if not bool(zero_rows.any()):
+        return
+    hq, hkv = q.shape[1], k.shape[1]
+    largest = torch.finfo(torch.float32).max
+    # in q's dtype, no float64 copies: a bound that overflows is inf, past `largest` too
+    k_norm = k.norm(dim=-1).amax(dim=-1)  # (b, hkv)
+    k_norm = k_norm.repeat_interleave(hq // hkv, dim=1)  # (b, hq)
+    bound = q.norm(dim=-1) * k_norm[..., None] * scale  # (b, hq, tq)
+    b_idx, h_idx, t_idx = torch.nonzero(zero_rows & (bound > largest), as_tuple=True)
+    for b, h, t in zip(b_idx.tolist(), h_idx.tolist(), t_idx.tolist(), strict=True):
+        scores = (k[b, h // (hq // hkv)].double() @ q[b, h, t].double()) * scale  # (tk,)
+        seen = _keys_seen(mask, causal, (b, h, t), q.shape[2], k.shape[2])  # (tk,) bool
+        if bool((scores.abs() > largest)[seen].any()):
+            raise ValueError(
+                f"query {t} of head {h} in sequence {b} has scores past float32's largest "
+                f"value (scale {scale:g} x q . k): every kernel reads them as -inf and gives "
+                f"zeros; use a smaller scale or smaller q, k"
+            )
+
+
+def _keys_seen(mask, causal: bool, row: tuple[int, int, int], tq: int, tk: int):
+    """(tk,) bool: the keys query `row` (sequence, head, query) may attend to, by the 4-D
+    mask as check_mask returns it (bool True = may attend, additive -inf = may not) and
+    the causal rule (bottom-right aligned)."""
+    b, h, t = row
+    seen = torch.ones(tk, dtype=torch.bool)
+    if causal:
+        seen[max(0, t + tk - tq + 1) :] = False
+    if mask is not None:
+        m = mask[min(b, mask.shape[0] - 1), min(h, mask.shape[1] - 1), min(t, mask.shape[2] - 1)]
+        m = m.expand(tk).cpu()  # (tk,)
+        seen &= m if m.dtype == torch.bool else m != -torch.inf
+    return seen
+
+
+def _attend_any(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    need_weights: bool,
+    backend: str,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    nonempty_rows: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """attend's computation, by the backend chosen (its checks aside)."""
     chosen = _choose_backend(
         backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )

@@ -227,9 +227,10 @@ def check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
             continue
         if tensor.device != x.device:
             raise ValueError(f"{name}'s {part} is on {tensor.device} but x is on {x.device}")
-        casts = torch.is_autocast_enabled(x.device.type) and tensor.dtype != torch.float64
-        if tensor.dtype != x.dtype and not casts:  # autocast leaves float64 as it is
-            raise TypeError(
+        if tensor.dtype == x.dtype:
+            continue
+        if not torch.is_autocast_enabled(x.device.type) or tensor.dtype == torch.float64:
+            raise TypeError(  # autocast casts float32 parameters, never float64 ones
                 f"{name}'s {part} is {tensor.dtype} but the module computes in {x.dtype} (x's "
                 f"and its first projection's dtype): convert the whole module, e.g. "
                 f"module.to({x.dtype})"
