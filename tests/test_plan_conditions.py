@@ -742,3 +742,15 @@ def test_under_autocast_a_float64_projection_is_a_named_type_error():
         pytest.raises(TypeError, match=r"out_proj's bias is torch\.float64"),
     ):
         m(torch.randn(1, 3, 16))
+
+
+def test_under_autocast_a_projection_in_a_narrower_dtype_computes():
+    """CPU autocast casts a bfloat16 out_proj's inputs (and float32 parameters) itself: the
+    call computes, as the same module does with every projection cast by autocast."""
+    m = build(14)
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = m(x)
+        m.out_proj.bfloat16()
+        got = m(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
