@@ -262,13 +262,3 @@ def test_forward_mode_ad_takes_math_or_is_refused_by_name(backend):
         out = attention(dual, k, v, causal=True, backend=backend)
         tangent = fwad.unpack_dual(out).tangent
     torch.testing.assert_close(tangent, want, atol=1e-5, rtol=1e-5)
-
-
-def test_the_flash_backend_under_a_torch_func_transform_is_a_named_error():
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 1, 2, 40, 8, generator=g) for _ in range(3))
-    with pytest.raises(ValueError, match=r"the 'flash' backend has no torch\.func"):
-        torch.func.vmap(lambda a, b, c: attention(a, b, c, causal=True, backend="flash"))(q, k, v)
-    batched = torch.func.vmap(lambda a, b, c: attention(a, b, c, causal=True))(q, k, v)
-    each = torch.stack([attention(a, b, c, causal=True) for a, b, c in zip(q, k, v, strict=True)])
-    torch.testing.assert_close(batched, each, atol=1e-5, rtol=1e-5)

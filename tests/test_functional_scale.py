@@ -91,7 +91,8 @@ def test_scores_that_overflow_are_a_value_error_not_nan(backend, causal):
     if not _runs(backend, torch.float32):
         pytest.skip("the flash kernel is unavailable here")
     q, k, v = _qkv(torch.float32)
-    with pytest.raises(ValueError, match=r"the scores overflowed torch\.float32: scale \(1e\+38\)"):
+    overflowed = r"the scores overflowed torch\.float32: scale \(1e\+38\)|scores past float32"
+    with pytest.raises(ValueError, match=overflowed):
         attention(q, k, v, scale=1e38, causal=causal, backend=backend)
     with debug.checks(False):
         out = attention(q, k, v, scale=1e38, causal=causal, backend=backend)
@@ -130,12 +131,12 @@ def test_a_module_whose_arithmetic_overflows_names_it_and_keeps_its_cache(rollin
         return module.make_cache(1, 8, dtype=getattr(torch, store))
 
     with torch.no_grad():
-        with pytest.raises(ValueError, match="overflowed"):
+        with pytest.raises(ValueError, match=r"overflowed|scores past float32"):
             module(torch.cat([prompt, big], dim=1))
         cache, twin = make(), make()
         module(prompt, cache=cache)
         module(prompt, cache=twin)
-        with pytest.raises(ValueError, match="overflowed"):
+        with pytest.raises(ValueError, match=r"overflowed|scores past float32"):
             module(big, cache=cache)
         held = cache.tokens if store == "static" else cache.position
         assert held == 3
@@ -174,3 +175,31 @@ def test_a_module_whose_scores_overflow_to_minus_infinity_names_it(cache):
             m(x, cache=made)
     if made is not None:
         assert made.tokens == 0
+
+
+def test_bfloat16_scores_past_float32_are_named_and_float64_ones_are_computed():
+    """The zero-row check's bound is a Python float (a bfloat16 bound overflowed to inf and
+    the check was skipped: zeros) and its limit the compute dtype's (float64 scores of 1e40
+    are finite: the exact answer, not an error)."""
+    q = torch.full((1, 1, 1, 8), 100.0, dtype=torch.bfloat16)
+    v = torch.ones(1, 1, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="scores past float32's largest value"):
+        attention(q, -q, v, scale=1e36, backend="sdpa")
+    q64 = torch.full((1, 1, 1, 8), 1e20, dtype=torch.float64)
+    out = attention(q64, -q64, torch.zeros_like(q64), backend="sdpa")
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_a_windowed_module_whose_scores_overflow_names_it():
+    """A window makes the module pass a 2-D mask: the check reads it (was an IndexError)."""
+    torch.manual_seed(0)
+    d = 16
+    m = MultiHeadAttention(d, d, 8, 0.0, 2, window=2).eval()
+    with torch.no_grad():
+        weight = m.qkv_proj.weight
+        weight[:d] = -weight[d : 2 * d]  # q = -k
+        weight[2 * d :] *= 1e-20
+        x = torch.full((1, 2, d), 3e19)
+        x[..., ::2] *= -1
+        with pytest.raises(ValueError, match="scores past float32's largest value"):
+            m(x)

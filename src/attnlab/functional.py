@@ -180,30 +180,28 @@ def attend(
 
 
 def _check_zero_rows(out, q, k, scale: float, mask: torch.Tensor | None, causal: bool) -> None:
-    """A row of zeros is a query with no key left, or one whose every score overflowed to
-    -inf, which every kernel takes for "no key" (the softmax's true answer is its largest
-    score's value). Rows of zeros whose scores could overflow by the Cauchy-Schwarz bound
-    (|q| max |k| scale past float32's largest value) get their scores computed in float64:
-    one past it is a ValueError. One pass over the output; over k only when a zero row
-    appears (padding), and the exact scores only for rows the bound cannot clear."""
-    if k.shape[2] == 0:  # no key at all: zeros are the answer
+    """A row of zeros is a query with no key left, or one whose every seen score overflowed
+    to -inf, which every kernel takes for "no key" (the softmax's true answer is its largest
+    score's value). First a bound in Python floats, hd max|q| max|k| scale, from one pass
+    over q and k: below the compute dtype's largest value no score can overflow. Past it,
+    each row of zeros gets its seen scores in float64: one past that value is a ValueError."""
+    if k.shape[2] == 0 or q.numel() == 0:  # no key at all: zeros are the answer
         return
-    zero_rows = (out == 0).all(dim=-1)  # (b, hq, tq)
-    if not bool(zero_rows.any()):
+    compute = torch.promote_types(q.dtype, torch.float32)  # what the kernels compute in
+    largest = torch.finfo(compute).max
+    bound = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1] * scale
+    if bound <= largest:
         return
     hq, hkv = q.shape[1], k.shape[1]
-    largest = torch.finfo(torch.float32).max
-    # in q's dtype, no float64 copies: a bound that overflows is inf, past `largest` too
-    k_norm = k.norm(dim=-1).amax(dim=-1)  # (b, hkv)
-    k_norm = k_norm.repeat_interleave(hq // hkv, dim=1)  # (b, hq)
-    bound = q.norm(dim=-1) * k_norm[..., None] * scale  # (b, hq, tq)
-    b_idx, h_idx, t_idx = torch.nonzero(zero_rows & (bound > largest), as_tuple=True)
+    zero_rows = (out == 0).all(dim=-1)  # (b, hq, tq)
+    b_idx, h_idx, t_idx = torch.nonzero(zero_rows, as_tuple=True)
+    name = str(compute).removeprefix("torch.")
     for b, h, t in zip(b_idx.tolist(), h_idx.tolist(), t_idx.tolist(), strict=True):
         scores = (k[b, h // (hq // hkv)].double() @ q[b, h, t].double()) * scale  # (tk,)
         seen = _keys_seen(mask, causal, (b, h, t), q.shape[2], k.shape[2])  # (tk,) bool
         if bool((scores.abs() > largest)[seen].any()):
             raise ValueError(
-                f"query {t} of head {h} in sequence {b} has scores past float32's largest "
+                f"query {t} of head {h} in sequence {b} has scores past {name}'s largest "
                 f"value (scale {scale:g} x q . k): every kernel reads them as -inf and gives "
                 f"zeros; use a smaller scale or smaller q, k"
             )
@@ -218,7 +216,8 @@ def _keys_seen(mask, causal: bool, row: tuple[int, int, int], tq: int, tk: int):
     if causal:
         seen[max(0, t + tk - tq + 1) :] = False
     if mask is not None:
-        m = mask[min(b, mask.shape[0] - 1), min(h, mask.shape[1] - 1), min(t, mask.shape[2] - 1)]
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # 4-D, broadcastable
+        m = m[min(b, m.shape[0] - 1), min(h, m.shape[1] - 1), min(t, m.shape[2] - 1)]
         m = m.expand(tk).cpu()  # (tk,)
         seen &= m if m.dtype == torch.bool else m != -torch.inf
     return seen
@@ -571,11 +570,6 @@ def check_backend_call(
         ValueError: not a backend, or one that cannot run this call (the message says why).
     """
     backend = check_backend(backend)
-    if backend == "flash" and torch._C._functorch.peek_interpreter_stack() is not None:
-        raise ValueError(
-            "the 'flash' backend has no torch.func batching or transform rules (vmap, "
-            "jacrev, grad): use backend 'math', 'sdpa' or 'auto'"
-        )
     if backend in ("sdpa", "flash") and torch.autograd.forward_ad._current_level >= 0:
         raise ValueError(
             f"the {backend!r} backend has no forward-mode AD (a forward_ad.dual_level is "
