@@ -159,39 +159,53 @@ def attend(
     Raises:
         ValueError: the backend cannot run the call (check_backend_call).
     """
-    result = _attend_any(
-        q,
-        k,
-        v,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        need_weights=need_weights,
-        backend=backend,
-        sinks=sinks,
-        softcap=softcap,
-        nonempty_rows=nonempty_rows,
+    chosen = _choose_backend(
+        backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )
-    out = result[0] if isinstance(result, tuple) else result
-    if debug.reads_values(out) and (out.dim() == 4 and out.shape[-1]):
-        _check_zero_rows(out, q, k, scale, mask, causal)
-    return result
+    plain = not need_weights and sinks is None and softcap is None and dropout_p == 0.0
+    if backend in ("auto", "flash") and plain and not debug.under_transform():
+        ranges = _padded_key_ranges((q, k, v), mask, causal, backend)
+        if ranges is not None:  # causal & padding: the kernel on each sequence's real keys
+            result = padded.attention(q, k, v, ranges, scale)
+            return _zero_rows_checked(result, q, k, scale, mask, causal)
+    backend = chosen
+    allowed, bias = _split_mask(mask, q, k)
+    if sinks is None:
+        masking = (allowed, bias, nonempty_rows)
+        result = _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap)
+        return _zero_rows_checked(result, q, k, scale, mask, causal)
+    if causal:  # explicit: the sink key would shift the bottom-right alignment
+        allowed = masks.combine_masks(
+            allowed, masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
+        )
+    k_sunk, v_sunk, allowed, bias = _with_sink_key(k, v, allowed, bias, sinks, q.shape[2])
+    masking = (allowed, bias, nonempty_rows)
+    result = _run(
+        backend, q, k_sunk, v_sunk, masking, False, scale, dropout_p, need_weights, softcap
+    )
+    if need_weights:
+        out, weights = result
+        result = out, weights[..., :-1]  # (b, hq, tq, tk): the sink's share is left out
+    return _zero_rows_checked(result, q, k, scale, mask, causal)
 
 
-def _check_zero_rows(out, q, k, scale: float, mask: torch.Tensor | None, causal: bool) -> None:
+def _zero_rows_checked(result, q, k, scale: float, mask: torch.Tensor | None, causal: bool):
     """A row of zeros is a query with no key left, or one whose every seen score overflowed
     to -inf, which every kernel takes for "no key" (the softmax's true answer is its largest
     score's value). First a bound in Python floats, hd max|q| max|k| scale, from one pass
     over q and k: below the compute dtype's largest value no score can overflow. Past it,
-    each row of zeros gets its seen scores in float64: one past that value is a ValueError."""
+    each row of zeros gets its seen scores in float64: one past that value is a ValueError.
+    Where attnlab.debug lets a check read values (the CPU by default); returns `result`."""
+    out = result[0] if isinstance(result, tuple) else result  # (b, hq, tq, hdv)
+    if not debug.reads_values(out) or out.dim() != 4 or not out.shape[-1]:
+        return result
     if k.shape[2] == 0 or q.numel() == 0:  # no key at all: zeros are the answer
-        return
+        return result
     compute = torch.promote_types(q.dtype, torch.float32)  # what the kernels compute in
     largest = torch.finfo(compute).max
     bound = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1] * scale
     if bound <= largest:
-        return
+        return result
     hq, hkv = q.shape[1], k.shape[1]
     zero_rows = (out == 0).all(dim=-1)  # (b, hq, tq)
     b_idx, h_idx, t_idx = torch.nonzero(zero_rows, as_tuple=True)
@@ -205,6 +219,7 @@ def _check_zero_rows(out, q, k, scale: float, mask: torch.Tensor | None, causal:
                 f"value (scale {scale:g} x q . k): every kernel reads them as -inf and gives "
                 f"zeros; use a smaller scale or smaller q, k"
             )
+    return result
 
 
 def _keys_seen(mask, causal: bool, row: tuple[int, int, int], tq: int, tk: int):
@@ -221,58 +236,6 @@ def _keys_seen(mask, causal: bool, row: tuple[int, int, int], tq: int, tk: int):
         m = m.expand(tk).cpu()  # (tk,)
         seen &= m if m.dtype == torch.bool else m != -torch.inf
     return seen
-
-
-def _attend_any(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    need_weights: bool,
-    backend: str,
-    sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
-    nonempty_rows: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """attend's computation, by the backend chosen (its checks aside)."""
-    chosen = _choose_backend(
-        backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
-    )
-    plain = not need_weights and sinks is None and softcap is None and dropout_p == 0.0
-    if backend in ("auto", "flash") and plain and not debug.under_transform():
-        ranges = _padded_key_ranges((q, k, v), mask, causal, backend)
-        if ranges is not None:  # causal & padding: the kernel on each sequence's real keys
-            return padded.attention(q, k, v, ranges, scale)
-    backend = chosen
-    allowed, bias = _split_mask(mask, q, k)
-    if sinks is None:
-        return _run(
-            backend,
-            q,
-            k,
-            v,
-            (allowed, bias, nonempty_rows),
-            causal,
-            scale,
-            dropout_p,
-            need_weights,
-            softcap,
-        )
-    if causal:  # explicit: the sink key would shift the bottom-right alignment
-        allowed = masks.combine_masks(
-            allowed, masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
-        )
-    k, v, allowed, bias = _with_sink_key(k, v, allowed, bias, sinks, q.shape[2])
-    masking = (allowed, bias, nonempty_rows)
-    result = _run(backend, q, k, v, masking, False, scale, dropout_p, need_weights, softcap)
-    if not need_weights:
-        return result
-    out, weights = result
-    return out, weights[..., :-1]  # (b, hq, tq, tk): the sink's share is left out
 
 
 def _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap):
