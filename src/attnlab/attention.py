@@ -11,12 +11,11 @@ hd = d_out / num_heads; the output is (b, tq, d_out).
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 from torch import nn
 
-from attnlab import debug, decode_cpu, functional, masks, plan, qkv
+from attnlab import _own_code, debug, decode_cpu, functional, masks, plan, qkv
 from attnlab import rope_scaling as rope_scaling_
 from attnlab._validate import (
     check_bool,
@@ -827,7 +826,7 @@ class MultiHeadAttention(nn.Module):
         """True when every method and property MultiHeadAttention defines is, on `cls`, the
         one this file defines: False for a subclass that overrides any of them, and for a
         patch of the class itself (MultiHeadAttention._combine_heads = ...)."""
-        return _OWN_CODE(cls) == _OWN
+        return _AS_DEFINED(cls)
 
 
 def _forward_ad_only() -> bool:
@@ -841,16 +840,9 @@ _LAYOUTS = {
     "context": ("context_dim", "(batch, tokens, context_dim)"),
 }
 
-# every function, property and classmethod MultiHeadAttention defines, read in one C call
-# (operator.attrgetter) and compared with what this file defined: the fast paths stand for
-# all of them, so any other (a subclass's, a class-level patch) takes the Python path
-_OWN_NAMES = tuple(
-    name
-    for name, value in vars(MultiHeadAttention).items()
-    if (callable(value) or isinstance(value, (property, staticmethod))) and name != "__init__"
-)  # not __init__ (construction: what it sets, the plan reads) nor classmethods (bound anew)
-_OWN_CODE = operator.attrgetter(*_OWN_NAMES)
-_OWN = _OWN_CODE(MultiHeadAttention)
+# the fast paths stand for every method MultiHeadAttention defines: any other (a subclass's,
+# a class-level patch) takes the Python path
+_AS_DEFINED = _own_code.as_defined(MultiHeadAttention)
 
 
 def _check_projection(name: str, layer: object, width: int | None, features: int) -> None:

@@ -51,22 +51,6 @@ from attnlab.rope import code_as_written as rope_code_as_written
 if TYPE_CHECKING:
     from attnlab.attention import MultiHeadAttention
 
-# MultiHeadAttention's steps the native call stands for, checks included: a subclass that
-# overrides one (MultiHeadAttention._steps_as_written) or an instance that replaces one gets
-# the Python path (its own steps and checks)
-STEPS = (
-    "_attend",
-    "_project",
-    "_project_heads",
-    "_normed",
-    "_split_heads",
-    "_attention_mask",
-    "_check_input",
-    "_check_cache",
-    "_check_mask",
-    "_check_layers",
-    "_start_position",
-)
 _LINEAR_TENSORS = frozenset({"weight", "bias"})
 _ROPE_TENSORS = frozenset({"cos", "sin"})
 _GLOBAL_HOOKS = tuple(

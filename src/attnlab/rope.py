@@ -11,12 +11,10 @@ whatever the module's dtype, and the rotation is computed in float32.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import nn
 
-from attnlab import debug, rope_scaling
+from attnlab import _own_code, debug, rope_scaling
 from attnlab._validate import (
     check_float,
     check_same_device,
@@ -187,19 +185,14 @@ class RotaryEmbedding(nn.Module):
         return _rotate(x, self.cos.index_select(0, positions), self.sin.index_select(0, positions))
 
 
-# every function RotaryEmbedding defines (not __init__), read in one C call and compared with
-# what this file defined: the native decode step stands for its forward, so a class-level
-# patch or a subclass's override takes the Python path, which calls the rope
-_OWN_NAMES = tuple(
-    name for name, value in vars(RotaryEmbedding).items() if callable(value) and name != "__init__"
-)
-_OWN_CODE = operator.attrgetter(*_OWN_NAMES)
-_OWN = _OWN_CODE(RotaryEmbedding)
+# the native decode step stands for its forward: a class-level patch takes the Python path,
+# which calls the rope
+_AS_DEFINED = _own_code.as_defined(RotaryEmbedding)
 
 
 def code_as_written() -> bool:
     """True when RotaryEmbedding's methods are the ones this file defines (no class patch)."""
-    return _OWN_CODE(RotaryEmbedding) == _OWN
+    return _AS_DEFINED(RotaryEmbedding)
 
 
 def rotary_tables(
