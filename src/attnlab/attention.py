@@ -519,7 +519,7 @@ class MultiHeadAttention(nn.Module):
     ) -> int:
         """Absolute position of x's first token, after checking that the cache fits."""
         start = 0
-        if cache is not None and debug.under_transform() and not _forward_ad_only():
+        if cache is not None and debug.in_func_transform():
             raise ValueError(
                 "a cache is written in place, which a torch.func transform (vmap, grad, jvp) "
                 "refuses: call the module with a cache outside the transform, or without one "
@@ -827,11 +827,6 @@ class MultiHeadAttention(nn.Module):
         one this file defines: False for a subclass that overrides any of them, and for a
         patch of the class itself (MultiHeadAttention._combine_heads = ...)."""
         return _AS_DEFINED(cls)
-
-
-def _forward_ad_only() -> bool:
-    """No torch.func transform is active (forward-mode AD alone decodes with a cache)."""
-    return torch._C._functorch.peek_interpreter_stack() is None
 
 
 # an input's name -> the name of its width and its layout, for check_tensor's messages

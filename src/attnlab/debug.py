@@ -68,17 +68,24 @@ def checks(on: bool = True) -> Iterator[None]:
         _forced.reset(token)
 
 
-def under_transform() -> bool:
-    """True inside a torch.func transform (vmap, grad, jvp, functionalize) or a forward-mode
-    AD level (torch.autograd.forward_ad.dual_level): there a tensor may be a wrapper whose
-    memory is not its values, and a value read (.item()) is refused. False while
+def in_func_transform() -> bool:
+    """True inside a torch.func transform (vmap, grad, jvp, functionalize), where tensors
+    are wrappers and in-place writes to captured tensors are refused. False while
     torch.compile traces (its own tracing keeps such a stack; it handles transforms itself)."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._functorch.peek_interpreter_stack() is not None
+    )
+
+
+def under_transform() -> bool:
+    """True inside a torch.func transform (in_func_transform) or a forward-mode AD level
+    (torch.autograd.forward_ad.dual_level): there a tensor may be a wrapper whose memory is
+    not its values, and a value read (.item()) is refused. False while torch.compile
+    traces."""
     if torch.compiler.is_compiling():
         return False
-    return (
-        torch._C._functorch.peek_interpreter_stack() is not None
-        or torch.autograd.forward_ad._current_level >= 0
-    )
+    return in_func_transform() or torch.autograd.forward_ad._current_level >= 0
 
 
 def reads_values(t: torch.Tensor) -> bool:
