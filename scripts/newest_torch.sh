@@ -18,7 +18,7 @@ spec=${TORCH_SPEC:-torch}
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade "$spec"
-# torch is installed first, so attnlab's requirement (torch>=2.4) keeps it
+# torch is installed first, so attnlab's requirement (torch>=2.13) keeps it
 "$venv/bin/pip" install --quiet -e '.[test,hf,onnx,docs]'
 version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
 echo "newest_torch: testing with torch $version in $venv" >&2

@@ -816,6 +816,10 @@ def test_torch_s_own_log_lines_on_the_subprocess_stderr_are_not_the_op_s(tmp_pat
         "print('W1126 08:05:38.917000 14272 torch/utils/cpp_extension.py:183] No CUDA runtime "
         "is found, using CUDA_HOME=/usr/local', file=sys.stderr)\n"
         "print('No CUDA runtime is found, using CUDA_HOME=/usr/local/cuda', file=sys.stderr)\n"
+        # as CI logged it, torch installed in a virtual environment under the working folder
+        "print('W1126 13:32:42.612000 7218 .venv-newest/lib/python3.11/site-packages/torch/utils/"
+        "cpp_extension.py:183] No CUDA runtime is found, using CUDA_HOME=/usr/local', "
+        "file=sys.stderr)\n"
     )
     paths = [str(site), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))

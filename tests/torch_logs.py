@@ -13,10 +13,12 @@ import re
 
 # one pattern per line torch prints on its own, anchored at the line's start: a record of
 # torch's own loggers, which torch formats as "W1126 08:05:38.917000 14272
-# torch/utils/cpp_extension.py:183] No CUDA runtime is found, ..." (2.14), and the plain
-# line older releases print
+# torch/utils/cpp_extension.py:183] No CUDA runtime is found, ..." (2.14), the file's path
+# relative to the working directory when torch lives under it (CI's
+# ".venv-newest/lib/python3.11/site-packages/torch/utils/..."), and the plain line older
+# releases print
 TORCH_LOG_LINES = (
-    re.compile(r"[DIWEC]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+torch/\S+:\d+\] "),
+    re.compile(r"[DIWEC]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+(?:\S*/)?torch/\S+:\d+\] "),
     re.compile(r"No CUDA runtime is found, using CUDA_HOME="),
 )
 
