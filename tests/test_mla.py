@@ -628,12 +628,33 @@ def test_under_a_function_mode_or_a_patched_linear_kv_b_proj_is_called(monkeypat
 
 
 @pytest.mark.parametrize("absorb", [None, True, False])
-def test_scores_that_overflow_are_a_value_error_and_the_cache_is_kept(absorb):
-    """Finite inputs whose arithmetic overflows float32: a named ValueError (was NaN), and
-    a latent cache keeps what it held."""
+def test_scores_past_float32_are_the_float64_answer_full_and_cached(absorb):
+    """Inputs of 1e25: the projections are finite, the scores (about 1e50) are not in
+    float32 (every kernel gave NaN). Full and cached, both paths, they equal the float64
+    reference, and the cache moves on."""
     torch.manual_seed(8)
     m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval()
-    prompt, big = torch.randn(1, 3, 16), torch.randn(1, 1, 16) * 1e25
+    x = torch.randn(1, 4, 16) * 1e25
+    expected = mla_reference(m, x, torch.ones(4, 4).tril().bool())
+    size = float(expected.abs().max())
+    with torch.no_grad():
+        full = m(x, absorb=absorb if absorb is not True else None)
+        cache = m.make_cache(1, 8)
+        steps = [m(x[:, :3], cache=cache), m(x[:, 3:], cache=cache, absorb=absorb)]
+    for got in (full, torch.cat(steps, dim=1)):
+        torch.testing.assert_close(got.double(), expected, atol=1e-5 * size, rtol=1e-4)
+    assert cache.position == 4
+
+
+@pytest.mark.parametrize("absorb", [None, True, False])
+def test_projections_that_overflow_are_a_value_error_and_the_cache_is_kept(absorb):
+    """Finite inputs whose query projection is past float32 (3e38 x the signs of a weight
+    row): a named ValueError (was NaN), and a latent cache keeps what it held."""
+    torch.manual_seed(8)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval()
+    row = m.q_proj.weight.detach()[0]
+    assert row.abs().sum() > 1.2
+    prompt, big = torch.randn(1, 3, 16), (row.sign() * 3e38).view(1, 1, 16)
     with torch.no_grad():
         with pytest.raises(ValueError, match="overflowed"):
             m(torch.cat([prompt, big], dim=1), absorb=absorb if absorb is not True else None)

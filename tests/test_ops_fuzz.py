@@ -146,9 +146,12 @@ SCALE_PAST_FLOAT32 = [
 
 
 def _tiny_token(a: dict) -> dict:
-    """decode_step's x made small enough that FLOAT32_MAX x q . k does not overflow (the op
-    refuses an output that is not finite); the flash ops' arguments as they are."""
-    return {"x": a["x"] * 1e-20} if "x" in a else {}
+    """decode_step's x and qkv bias made small enough that FLOAT32_MAX x q . k does not
+    overflow (the op refuses a score or an output that is not finite); the flash ops'
+    arguments as they are."""
+    if "x" not in a:
+        return {}
+    return {"x": a["x"] * 1e-20, "b_qkv": a["b_qkv"] * 1e-20}
 
 
 # (case, the argument its error must name, the arguments it changes: a -> {name: value}).

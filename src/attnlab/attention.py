@@ -468,25 +468,26 @@ class MultiHeadAttention(nn.Module):
         positions = cache._positions(x.shape[1])  # (tq,) on the device
         if self.rope is not None:
             q, k = self.rope(q, positions), self.rope(k, positions)  # through its __call__
-        k, v = cache._write(k, v, positions)  # (b, hkv, capacity, hd)
-        visible = cache._visible(positions, self.window)  # (tq, capacity)
-        visible = visible.view(1, 1, *visible.shape)  # (1, 1, tq, capacity)
-        mask = visible if mask is None else masks.combine_masks(mask, visible)
-        result = functional.attend(
-            q,
-            k,
-            v,
-            mask=mask,
-            causal=False,
-            scale=self.attention_scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            backend=self.backend,
-            nonempty_rows=mask is visible,  # each query sees its own slot
-        )
-        out, weights = result if need_weights else (result, None)
-        out = self._combine_heads(out)
-        check_finite_result(out)
+        with cache._kept_if_raised(positions):  # a step that raises writes nothing
+            k, v = cache._write(k, v, positions)  # (b, hkv, capacity, hd)
+            visible = cache._visible(positions, self.window)  # (tq, capacity)
+            visible = visible.view(1, 1, *visible.shape)  # (1, 1, tq, capacity)
+            mask = visible if mask is None else masks.combine_masks(mask, visible)
+            result = functional.attend(
+                q,
+                k,
+                v,
+                mask=mask,
+                causal=False,
+                scale=self.attention_scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                need_weights=need_weights,
+                backend=self.backend,
+                nonempty_rows=mask is visible,  # each query sees its own slot
+            )
+            out, weights = result if need_weights else (result, None)
+            out = self._combine_heads(out)
+            check_finite_result(out)
         cache._advance(x.shape[1])  # last: a step that raised has moved nothing
         return (out, weights) if need_weights else out
 

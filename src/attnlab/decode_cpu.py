@@ -105,9 +105,11 @@ def step(
 ) -> torch.Tensor | None:
     """One token per sequence through a layer at the cache's position: appends its keys and
     values and returns the output (b, 1, d_out), or None, with nothing written, when x holds
-    a NaN or an infinity. A rolling cache's write, which overwrites a held token, runs in
-    KVCache.transaction; a non-rolling cache is written past the tokens it holds and its
-    position moves last.
+    a NaN or an infinity or the step's float32 arithmetic overflowed (a projection, or a
+    score or a partial sum of one, past 3.4e38: the caller's Python path then computes the
+    step, exactly, or names the overflow). A rolling cache's write, which overwrites a held
+    token, runs in KVCache.transaction; a non-rolling cache is written past the tokens it
+    holds and its position moves last.
 
     Args:
         x: (b, 1, d_in) float32 on the CPU.
@@ -118,13 +120,21 @@ def step(
         window: the keys each query sees (None: all).
 
     Returns:
-        The output, or None for a non-finite x.
+        The output, or None for a non-finite x or an overflow.
     """
     start = cache.position
-    if not cache.rolling:
-        return _call(x, weights, heads, scale, cache, window, start)
-    with cache.transaction(1):
-        return _call(x, weights, heads, scale, cache, window, start)
+    try:
+        if not cache.rolling:
+            return _call(x, weights, heads, scale, cache, window, start)
+        with cache.transaction(1):  # the overwritten slot is put back if the step overflows
+            return _call(x, weights, heads, scale, cache, window, start)
+    except _OverflowError:
+        return None  # the Python path computes the step exactly or names the overflow
+
+
+class _OverflowError(Exception):
+    """The op refused its own float32 result (a projection, a score or a partial sum of
+    one past 3.4e38) with the cache's position unmoved."""
 
 
 def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None:
@@ -146,9 +156,9 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
             cache.block,
             scale,
         )
-    except RuntimeError as error:  # the op's overflow is the caller's values: a ValueError
+    except RuntimeError as error:  # the op's overflow is the caller's values
         if str(error).startswith(_OVERFLOW):
-            raise ValueError(str(error).removeprefix("decode_step: ")) from None
+            raise _OverflowError from None
         raise
     if not y.numel():
         return None

@@ -113,8 +113,7 @@ def attention(
     )
     return check_finite_result(
         result,
-        f"the scores overflowed {torch.promote_types(q.dtype, torch.float32)}: scale "
-        f"({scale:g}) x q . k is past its largest value; use a smaller scale or smaller q, k",
+        f"the output is past {q.dtype}'s largest value (the values v, weighted, at its edge)",
     )
 
 
@@ -162,18 +161,20 @@ def attend(
     chosen = _choose_backend(
         backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )
+    if debug.reads_values(q) and _past_safe_scores(q, k, mask, sinks, scale):
+        options = {"mask": mask, "causal": causal, "scale": scale, "dropout_p": dropout_p}
+        options |= {"need_weights": need_weights, "softcap": softcap}
+        return _attend_in_float64(q, k, v, sinks, nonempty_rows=nonempty_rows, **options)
     plain = not need_weights and sinks is None and softcap is None and dropout_p == 0.0
     if backend in ("auto", "flash") and plain and not debug.under_transform():
         ranges = _padded_key_ranges((q, k, v), mask, causal, backend)
         if ranges is not None:  # causal & padding: the kernel on each sequence's real keys
-            result = padded.attention(q, k, v, ranges, scale)
-            return _zero_rows_checked(result, q, k, scale, mask, causal)
+            return padded.attention(q, k, v, ranges, scale)
     backend = chosen
     allowed, bias = _split_mask(mask, q, k)
     if sinks is None:
         masking = (allowed, bias, nonempty_rows)
-        result = _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap)
-        return _zero_rows_checked(result, q, k, scale, mask, causal)
+        return _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap)
     if causal:  # explicit: the sink key would shift the bottom-right alignment
         allowed = masks.combine_masks(
             allowed, masks.causal_mask(q.shape[2], k.shape[2], device=q.device)
@@ -186,56 +187,63 @@ def attend(
     if need_weights:
         out, weights = result
         result = out, weights[..., :-1]  # (b, hq, tq, tk): the sink's share is left out
-    return _zero_rows_checked(result, q, k, scale, mask, causal)
-
-
-def _zero_rows_checked(result, q, k, scale: float, mask: torch.Tensor | None, causal: bool):
-    """A row of zeros is a query with no key left, or one whose every seen score overflowed
-    to -inf, which every kernel takes for "no key" (the softmax's true answer is its largest
-    score's value). First a bound in Python floats, hd max|q| max|k| scale, from one pass
-    over q and k: below the compute dtype's largest value no score can overflow. Past it,
-    each row of zeros gets its seen scores in float64: one past that value is a ValueError.
-    Where attnlab.debug lets a check read values (the CPU by default); returns `result`."""
-    out = result[0] if isinstance(result, tuple) else result  # (b, hq, tq, hdv)
-    if not debug.reads_values(out) or out.dim() != 4 or not out.shape[-1]:
-        return result
-    if k.shape[2] == 0 or q.numel() == 0:  # no key at all: zeros are the answer
-        return result
-    compute = torch.promote_types(q.dtype, torch.float32)  # what the kernels compute in
-    largest = torch.finfo(compute).max
-    bound = float(q.abs().amax()) * float(k.abs().amax()) * q.shape[-1] * scale
-    if bound <= largest:
-        return result
-    hq, hkv = q.shape[1], k.shape[1]
-    zero_rows = (out == 0).all(dim=-1)  # (b, hq, tq)
-    b_idx, h_idx, t_idx = torch.nonzero(zero_rows, as_tuple=True)
-    name = str(compute).removeprefix("torch.")
-    for b, h, t in zip(b_idx.tolist(), h_idx.tolist(), t_idx.tolist(), strict=True):
-        scores = (k[b, h // (hq // hkv)].double() @ q[b, h, t].double()) * scale  # (tk,)
-        seen = _keys_seen(mask, causal, (b, h, t), q.shape[2], k.shape[2])  # (tk,) bool
-        if bool((scores.abs() > largest)[seen].any()):
-            raise ValueError(
-                f"query {t} of head {h} in sequence {b} has scores past {name}'s largest "
-                f"value (scale {scale:g} x q . k): every kernel reads them as -inf and gives "
-                f"zeros; use a smaller scale or smaller q, k"
-            )
     return result
 
 
-def _keys_seen(mask, causal: bool, row: tuple[int, int, int], tq: int, tk: int):
-    """(tk,) bool: the keys query `row` (sequence, head, query) may attend to, by the 4-D
-    mask as check_mask returns it (bool True = may attend, additive -inf = may not) and
-    the causal rule (bottom-right aligned)."""
-    b, h, t = row
-    seen = torch.ones(tk, dtype=torch.bool)
-    if causal:
-        seen[max(0, t + tk - tq + 1) :] = False
-    if mask is not None:
-        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # 4-D, broadcastable
-        m = m[min(b, m.shape[0] - 1), min(h, m.shape[1] - 1), min(t, m.shape[2] - 1)]
-        m = m.expand(tk).cpu()  # (tk,)
-        seen &= m if m.dtype == torch.bool else m != -torch.inf
-    return seen
+def _safe_score(dtype: torch.dtype) -> float:
+    """The scores the kernels may compute for inputs of `dtype`: a quarter of the largest
+    value of the dtype they compute in (float32; float64 for float64), so that no score,
+    partial sum of one, score plus bias, or difference of two in a softmax overflows it."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).max / 4
+
+
+def _past_safe_scores(q, k, mask, sinks, scale: float) -> bool:
+    """Whether |scale x q . k + bias|, or a partial sum the kernels add up to it, may pass
+    _safe_score: a bound in Python floats, hd max|q| max|k| max(scale, 1) plus the largest
+    finite bias and sink logit, from one pass over q, k and a float mask (-inf, "may not
+    attend", left out). False for a non-finite q or k (a module's projection overflowed:
+    its output check names that)."""
+    if not q.numel() or not k.numel():  # no score at all
+        return False
+    largest_q, largest_k = _largest_magnitude(q), _largest_magnitude(k)
+    if not math.isfinite(largest_q) or not math.isfinite(largest_k):
+        return False
+    bound = q.shape[-1] * largest_q * largest_k * max(scale, 1.0)
+    if mask is not None and mask.dtype != torch.bool and mask.numel():
+        finite = torch.isfinite(mask)  # -inf only: check_mask refused NaN and +inf
+        bound += float(torch.where(finite, mask.detach().abs(), 0.0).amax())
+    if sinks is not None and sinks.numel():
+        bound += float(sinks.detach().abs().amax())
+    return bound > _safe_score(q.dtype)
+
+
+def _largest_magnitude(t: torch.Tensor) -> float:
+    """max |t| as a Python float, by a reduction that makes no |t| copy (t may be a KV
+    cache's whole view)."""
+    return float(torch.linalg.vector_norm(t.detach(), ord=math.inf))
+
+
+def _attend_in_float64(q, k, v, sinks, **options):
+    """attend() computed by the math backend in float64 and returned in q's dtype: the exact
+    answer where the float32 arithmetic of every kernel could overflow (scores past 3.4e38
+    are finite in float64, and differ by their true amounts in the softmax). Float64
+    inputs whose scores could overflow float64 itself are a ValueError."""
+    if q.dtype == torch.float64:
+        raise ValueError(
+            f"the scores could overflow float64: head_dim ({q.shape[-1]}) x max |q| "
+            f"({_largest_magnitude(q):g}) x max |k| ({_largest_magnitude(k):g}) x scale "
+            f"({options['scale']:g}), with the mask's bias, is past a quarter of float64's "
+            f"largest value; use a smaller scale or smaller q, k"
+        )
+    mask = options.pop("mask")
+    wide_q, wide_k, wide_v, wide_sinks, wide_mask = (
+        t if t is None or t.dtype == torch.bool else t.double() for t in (q, k, v, sinks, mask)
+    )
+    options |= {"mask": wide_mask, "sinks": wide_sinks, "backend": "math"}
+    result = attend(wide_q, wide_k, wide_v, **options)
+    if isinstance(result, tuple):  # (output, weights), each back in q's dtype
+        return tuple(t.to(q.dtype) for t in result)
+    return result.to(q.dtype)
 
 
 def _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap):

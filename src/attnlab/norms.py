@@ -1,8 +1,9 @@
 """RMSNorm for queries and keys (QK-norm): Qwen3 and Gemma 3 normalise each head's queries
 and keys before the rotation, OLMo 2 the whole projection.
 
-y = x / sqrt(mean(x^2) + eps) * (offset + weight), computed in float32 and returned in x's
-dtype; offset is 0 for Qwen3 and OLMo 2 (the weight starts at ones) and 1 for Gemma, whose
+y = x / sqrt(mean(x^2) + eps) * (offset + weight), computed in float32 (each row first
+divided by its largest magnitude where that passes 1, so that no square overflows) and
+returned in x's dtype; offset is 0 for Qwen3 and OLMo 2 (the weight starts at ones) and 1 for Gemma, whose
 weight is stored as the difference from one (it starts at zeros).
 """
 
@@ -57,5 +58,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., dim) normalised and scaled, in x's dtype."""
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / s over mean((x / s)^2) + eps / s^2 is the same function for any s > 0: with
+        # s = max(1, max |x|) per row no square passes float32 (x of 1e20 squared is inf,
+        # which made the row zeros), and rows within 1 compute exactly as written above
+        s = x32.abs().amax(-1, keepdim=True).clamp(min=1.0)  # (..., 1)
+        unit = x32 / s
+        normed = unit * torch.rsqrt(unit.pow(2).mean(-1, keepdim=True) + self.eps / (s * s))
         return (normed * (self.offset + self.weight.float())).to(x.dtype)

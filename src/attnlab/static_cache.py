@@ -25,6 +25,9 @@ MultiHeadAttention refuses it where the call would record a graph.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch._dynamo
 
@@ -200,6 +203,26 @@ class StaticKVCache:
         self._store(self.values, self.value_scales, v, positions)
         keys = self._read(self.keys, self.key_scales, k.dtype)
         return keys, self._read(self.values, self.value_scales, k.dtype)
+
+    @contextlib.contextmanager
+    def _kept_if_raised(self, positions: torch.Tensor) -> Iterator[None]:
+        """Around a step that writes `positions` (n,): if it raises, those slots get back
+        what they held (a slot past the tokens is masked, but a weight of 0 times an
+        infinity written there by a step that overflowed is NaN for every later step).
+        Nothing is copied while torch.compile traces (a compiled step raises no value
+        check)."""
+        if torch.compiler.is_compiling():
+            yield
+            return
+        tensors = [t for t in (self.keys, self.values, self.key_scales, self.value_scales)]
+        tensors = [t for t in tensors if t is not None]
+        held = [t.index_select(2, positions) for t in tensors]  # each (b, hkv, n[, hd])
+        try:
+            yield
+        except BaseException:
+            for t, kept in zip(tensors, held, strict=True):
+                t.index_copy_(2, positions, kept)
+            raise
 
     def _advance(self, num_new: int) -> None:
         """Move the position on by `num_new` tokens: on the device, and the host's count

@@ -381,6 +381,20 @@ float max_of(const float* row, int64_t n) {
   return m;
 }
 
+// Whether every value of the row is above -inf (NaN is not): a score of -inf from finite
+// keys and queries is float32 overflowing, in a partial sum of q . k or in the scale.
+bool above_minus_infinity(const float* row, int64_t n) {
+  Vec acc(std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) acc = at::vec::minimum(acc, Vec::loadu(row + t));
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  bool above = true;
+  for (int64_t l = 0; l < Vec::size(); ++l) above = above && lanes[l] > kNegInf;
+  for (; t < n; ++t) above = above && row[t] > kNegInf;
+  return above;
+}
+
 // row <- exp(row - max); returns the sum (ATen's vectorised exp).
 float exp_sum(float* row, int64_t n, float row_max) {
   const Vec vmax(row_max);
@@ -685,7 +699,10 @@ struct Attend {
         for (int64_t t = 0; t < n; ++t) s[t] *= scale;
       }
       m = max_of(s, n);
-      const float sum = exp_sum(s, n, m);
+      // a score that overflowed to -inf would silently weigh 0 (to +inf: NaN anyway): the
+      // sum made NaN makes the output NaN, which the step refuses
+      const bool overflowed = !above_minus_infinity(s, n);
+      const float sum = overflowed ? std::numeric_limits<float>::quiet_NaN() : exp_sum(s, n, m);
       if (value_scales) {  // the value scales folded into the weights
         const float* vs = value_scales + head * cap + t0;
         for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];
@@ -880,7 +897,10 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 // values_t, key_scales, value_scales) share no memory with each other or with any input
 // (the inputs may share memory with each other: they are only read).
 // Returns the layer's output (b, 1, d_out); an empty tensor, with nothing written, when x holds
-// a NaN or an infinity (the caller's own path then raises its error).
+// a NaN or an infinity (the caller's own path then raises its error). A finite x whose float32
+// arithmetic overflows (a projection, a score, or a partial sum of one that makes it -inf) is
+// a RuntimeError "decode_step: the output is not finite ..." with the slot written and nothing
+// else: attnlab.decode_cpu then leaves the step to the Python path, which computes in float64.
 at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::Tensor& b_qkv,
                        const at::Tensor& w_out, const at::Tensor& b_out, const at::Tensor& cos,
                        const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
