@@ -26,9 +26,12 @@ def _skip_unless_runs(backend):
         pytest.skip(f"the flash kernel is unavailable: {flash_cpu.load_error()}")
 
 
-def reference(q, k, v, *, allowed=None, causal=False, scale=None, sinks=None, softcap=None):
-    """softmax(scale q k^T [softcapped] + mask [+ sink column]) v in float64, by hand;
-    allowed is a bool (tq, tk) mask; grouped heads repeat their key/value head."""
+def reference(
+    q, k, v, *, allowed=None, causal=False, scale=None, sinks=None, softcap=None, bias=None
+):
+    """softmax(scale q k^T [softcapped] + bias + mask [+ sink column]) v in float64, by
+    hand; allowed is a bool (tq, tk) mask, bias an additive one broadcast to the scores;
+    grouped heads repeat their key/value head."""
     q, k, v = q.double(), k.double(), v.double()
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -36,6 +39,8 @@ def reference(q, k, v, *, allowed=None, causal=False, scale=None, sinks=None, so
     scores = (q @ k.transpose(-1, -2)) * scale  # (b, h, tq, tk)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.double()
     tq, tk = scores.shape[-2:]
     seen = torch.ones(tq, tk, dtype=torch.bool)
     if causal:
@@ -135,6 +140,39 @@ def test_a_masked_key_holding_huge_values_changes_nothing(backend):
     allowed[:, 1] = False
     out = attention(q, k, v, mask=allowed, backend=backend)
     close(out, reference(q, k, v, allowed=allowed))
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa"])
+@pytest.mark.parametrize(
+    "bias",
+    [
+        {"mask": torch.tensor([-1e5, -1e5, -1e5 + 1])},  # -inf in float16: a row of zeros
+        {"mask": torch.tensor([0.0, 1e5, 0.0])},  # +inf in float16: NaN, named as overflow
+        {"sinks": torch.tensor([1e5])},  # the sink takes every weight
+    ],
+    ids=["mask_minus_1e5", "mask_plus_1e5", "sink_1e5"],
+)
+def test_a_float32_bias_past_float16_is_taken_as_it_is(backend, bias):
+    """float16 q, k, v with a float32 mask or sinks past 65504: SDPA took them in float16
+    (zeros, or a false overflow error); they are the float64 answer (the seventh pass)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 2 if i == 0 else 3, 8, generator=g) for i in range(3))
+    half = [t.half() for t in (q, k, v)]
+    out = attention(*half, backend=backend, **bias)
+    mask = bias.get("mask")
+    expected = reference(*half, sinks=bias.get("sinks"), bias=mask)
+    torch.testing.assert_close(out, expected.half(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_softcap_past_float32_is_named(dtype):
+    """softcap=1e39 is inf in float32, and inf x tanh(s / inf) NaN: a ValueError naming it
+    (was 'the output is not finite'); float64 scores take it."""
+    q = torch.randn(1, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"^softcap \(1e\+39\) is not finite in torch\.float32"):
+        attention(q.to(dtype), q.to(dtype), q.to(dtype), softcap=1e39, backend="math")
+    wide = q.double()
+    close(attention(wide, wide, wide, softcap=1e39, backend="math"), reference(wide, wide, wide))
 
 
 def test_bfloat16_scores_past_float32_are_computed_and_float64_past_float64_are_named():

@@ -646,6 +646,19 @@ def test_scores_past_float32_are_the_float64_answer_full_and_cached(absorb):
     assert cache.position == 4
 
 
+def test_a_float64_layer_computes_past_float32():
+    """A float64 layer fed 1e40: its latent RMSNorm and its rotation computed in float32
+    (inf, then a false overflow error); in float64 now, equal to the float64 reference
+    (to the float32 rotary tables' precision)."""
+    torch.manual_seed(8)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).double().eval()
+    x = torch.randn(1, 4, 16, dtype=torch.float64) * 1e40
+    expected = mla_reference(m, x, torch.ones(4, 4).tril().bool())
+    with torch.no_grad():
+        got = m(x)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+
 @pytest.mark.parametrize("absorb", [None, True, False])
 def test_projections_that_overflow_are_a_value_error_and_the_cache_is_kept(absorb):
     """Finite inputs whose query projection is past float32 (3e38 x the signs of a weight

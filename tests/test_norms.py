@@ -53,3 +53,12 @@ def test_gradients_are_the_definitions(magnitude):
     (definition(wide, norm.weight.detach(), norm.eps, 0.0) * direction.double()).sum().backward()
     scale = float(wide.grad.abs().max())
     torch.testing.assert_close(leaf.grad.double(), wide.grad, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_float64_rows_normalise_in_float64_past_float32():
+    """A float64 row of 1e39 was computed in float32: inf, then NaN (the seventh pass);
+    it is normalised in float64, to float64's precision."""
+    norm = RMSNorm(4).double()
+    x = torch.tensor([[1e39, 2e39, -1e39, 3e39], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    expected = definition(x, norm.weight.detach(), norm.eps, 0.0)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-12, atol=0)

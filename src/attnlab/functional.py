@@ -97,7 +97,7 @@ def attention(
     scale = _check_scale(scale, q.shape[-1], q.dtype)
     mask = check_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     sinks = check_sinks(sinks, q)
-    softcap = None if softcap is None else check_float("softcap", softcap, greater_than=0.0)
+    softcap = None if softcap is None else _check_softcap(softcap, q.dtype)
     result = attend(
         q,
         k,
@@ -201,20 +201,23 @@ def _past_safe_scores(q, k, mask, sinks, scale: float) -> bool:
     """Whether |scale x q . k + bias|, or a partial sum the kernels add up to it, may pass
     _safe_score: a bound in Python floats, hd max|q| max|k| max(scale, 1) plus the largest
     finite bias and sink logit, from one pass over q, k and a float mask (-inf, "may not
-    attend", left out). False for a non-finite q or k (a module's projection overflowed:
-    its output check names that)."""
+    attend", left out); or whether that bias may pass q's own dtype, which SDPA casts it to
+    (-1e5 is -inf in float16). False for a non-finite q or k (a module's projection
+    overflowed: its output check names that)."""
     if not q.numel() or not k.numel():  # no score at all
         return False
     largest_q, largest_k = _largest_magnitude(q), _largest_magnitude(k)
     if not math.isfinite(largest_q) or not math.isfinite(largest_k):
         return False
-    bound = q.shape[-1] * largest_q * largest_k * max(scale, 1.0)
+    bias = 0.0  # the largest finite bias or sink logit
     if mask is not None and mask.dtype != torch.bool and mask.numel():
         finite = torch.isfinite(mask)  # -inf only: check_mask refused NaN and +inf
-        bound += float(torch.where(finite, mask.detach().abs(), 0.0).amax())
+        bias = float(torch.where(finite, mask.detach().abs(), 0.0).amax())
     if sinks is not None and sinks.numel():
-        bound += float(sinks.detach().abs().amax())
-    return bound > _safe_score(q.dtype)
+        bias = max(bias, _largest_magnitude(sinks))
+    if bias > torch.finfo(q.dtype).max / 4:  # SDPA takes them in q's dtype (float16: 65504)
+        return True
+    return q.shape[-1] * largest_q * largest_k * max(scale, 1.0) + bias > _safe_score(q.dtype)
 
 
 def _largest_magnitude(t: torch.Tensor) -> float:
@@ -477,15 +480,24 @@ def _check_scale(scale: object, head_dim: int, dtype: torch.dtype) -> float:
     return scale
 
 
-def check_scale_in(scale: float, dtype: torch.dtype, where: str = "") -> None:
-    """Raise a ValueError unless the positive float `scale` is finite once cast to `dtype`
-    (a dtype it is used in; `where` says why, for the message)."""
+def _check_softcap(softcap: object, dtype: torch.dtype) -> float:
+    """softcap as a positive float, finite in the dtype the math backend computes the
+    scores in (float32 for q's narrower dtypes: 1e39 became inf, and inf x tanh(s / inf) is
+    NaN)."""
+    softcap = check_float("softcap", softcap, greater_than=0.0)
+    check_scale_in(softcap, torch.promote_types(dtype, torch.float32), "the scores", "softcap")
+    return softcap
+
+
+def check_scale_in(scale: float, dtype: torch.dtype, where: str = "", name: str = "scale") -> None:
+    """Raise a ValueError unless the positive float `scale` (or the argument `name`) is
+    finite once cast to `dtype` (a dtype it is used in; `where` says why, for the message)."""
     largest = torch.finfo(dtype).max
     if scale > largest:
         why = f" ({where})" if where else ""
         raise ValueError(
-            f"scale ({scale:g}) is not finite in {dtype}, a dtype it is used in{why}: it must "
-            f"be at most {largest:g}, {dtype}'s largest finite value"
+            f"{name} ({scale:g}) is not finite in {dtype}, a dtype it is used in{why}: it "
+            f"must be at most {largest:g}, {dtype}'s largest finite value"
         )
 
 

@@ -1,10 +1,11 @@
 """RMSNorm for queries and keys (QK-norm): Qwen3 and Gemma 3 normalise each head's queries
 and keys before the rotation, OLMo 2 the whole projection.
 
-y = x / sqrt(mean(x^2) + eps) * (offset + weight), computed in float32 (each row first
-divided by its largest magnitude where that passes 1, so that no square overflows) and
-returned in x's dtype; offset is 0 for Qwen3 and OLMo 2 (the weight starts at ones) and 1 for Gemma, whose
-weight is stored as the difference from one (it starts at zeros).
+y = x / sqrt(mean(x^2) + eps) * (offset + weight), computed in float32 (float64 for float64
+x; each row first divided by its largest magnitude where that passes 1, so that no square
+overflows) and returned in x's dtype; offset is 0 for Qwen3 and OLMo 2 (the weight starts at
+ones) and 1 for Gemma, whose weight is stored as the difference from one (it starts at
+zeros).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., dim) normalised and scaled, in x's dtype."""
-        x32 = x.float()
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
         # x / s over mean((x / s)^2) + eps / s^2 is the same function for any s > 0: with
-        # s = max(1, max |x|) per row no square passes float32 (x of 1e20 squared is inf,
-        # which made the row zeros), and rows within 1 compute exactly as written above
-        s = x32.abs().amax(-1, keepdim=True).clamp(min=1.0)  # (..., 1)
-        unit = x32 / s
+        # s = max(1, max |x|) per row no square overflows (x of 1e20 squared is inf in
+        # float32, which made the row zeros), and rows within 1 compute as written above
+        s = wide.abs().amax(-1, keepdim=True).clamp(min=1.0)  # (..., 1)
+        unit = wide / s
         normed = unit * torch.rsqrt(unit.pow(2).mean(-1, keepdim=True) + self.eps / (s * s))
-        return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return (normed * (self.offset + self.weight.to(wide.dtype))).to(x.dtype)

@@ -6,7 +6,8 @@ angles for long contexts; a rotary_dim below head_dim rotates only the first rot
 features and passes the rest through (partial rotary, as GPT-NeoX and Phi).
 
 Shapes: x is (b, heads, t, hd); the cos/sin tables are (positions, hd), kept in float32
-whatever the module's dtype, and the rotation is computed in float32.
+whatever the module's dtype, and the rotation is computed in float32 (in float64 for float64
+x, whose values past float32's largest it would make infinite).
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def check_rotary_dim(rotary_dim: object, head_dim: int) -> int:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in float32, returned in x's dtype.
+    """x * cos + rotate_half(x) * sin in float32 (float64 for float64 x), returned in x's
+    dtype.
 
     Args:
         x: (..., t, hd) floating-point, at least 2-D, with an even hd.
@@ -291,12 +293,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         passed = x.narrow(-1, rotary_dim, x.shape[-1] - rotary_dim)
         rotated = _rotate(x.narrow(-1, 0, rotary_dim), cos, sin)
         return torch.cat([rotated, passed], dim=-1)  # (..., t, hd)
-    x32 = x.float()
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float64 stays float64
     half = x.shape[-1] // 2
     rotated = torch.cat(
-        [-x32.narrow(-1, half, half), x32.narrow(-1, 0, half)], dim=-1
+        [-wide.narrow(-1, half, half), wide.narrow(-1, 0, half)], dim=-1
     )  # rotate_half
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    return (wide * cos + rotated * sin).to(x.dtype)
 
 
 def check_base(base: object, name: str = "rope_base") -> float:
