@@ -164,6 +164,29 @@ def test_a_float32_bias_past_float16_is_taken_as_it_is(backend, bias):
     torch.testing.assert_close(out, expected.half(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa"])
+@pytest.mark.parametrize(
+    ("dtype", "bias"),
+    [
+        (torch.float16, {"mask": torch.tensor([2000.3, 2001.0])}),
+        (torch.bfloat16, {"mask": torch.tensor([150.3, 150.7])}),
+        (torch.float16, {"mask": torch.tensor([-1e9, 2001.0]), "sinks": torch.tensor([2000.3])}),
+    ],
+    ids=["float16_mask", "bfloat16_mask", "float16_sink"],
+)
+def test_a_wider_bias_keeps_its_differences_in_a_narrower_dtype(backend, dtype, bias):
+    """float16 or bfloat16 q, k, v with a float32 mask (or sinks) of large, close values:
+    SDPA took the bias in q's dtype, which rounded 2000.3 and 2001.0 to 2000 and 2001 (the
+    weights 0.27 and 0.73 for 0.33 and 0.67; the eighth pass). Each row is shifted by its
+    largest value first, as softmax allows: every backend agrees with float64."""
+    q = torch.zeros(1, 1, 1, 8, dtype=dtype)
+    k = torch.zeros(1, 1, 2, 8, dtype=dtype)
+    v = torch.tensor([[1.0] * 8, [0.0] * 8]).view(1, 1, 2, 8).to(dtype)
+    out = attention(q, k, v, backend=backend, **bias)
+    expected = reference(q, k, v, sinks=bias.get("sinks"), bias=bias["mask"])
+    torch.testing.assert_close(out.double(), expected, atol=4e-3, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_softcap_past_float32_is_named(dtype):
     """softcap=1e39 is inf in float32, and inf x tanh(s / inf) NaN: a ValueError naming it
@@ -334,7 +357,9 @@ def test_a_module_whose_projections_overflow_names_it_and_keeps_its_cache(rollin
         module(prompt, cache=cache)
         module(prompt, cache=twin)
         buffers = [t.clone() for t in (cache.keys, cache.values)] if store == "static" else []
-        with pytest.raises(ValueError, match="overflowed"):
+        # a float16 cache names first that it cannot hold keys and values of 1e38
+        named = "past the torch.float16 cache" if store == "float16" else "overflowed"
+        with pytest.raises(ValueError, match=named):
             module(big, cache=cache)
         held = cache.tokens if store == "static" else cache.position
         assert held == 3

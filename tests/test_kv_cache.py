@@ -503,3 +503,41 @@ def test_a_step_under_no_grad_after_a_recorded_prefill_keeps_its_backward():
         y.sum().backward()
         grads.append(m.qkv_proj.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("store", ["float16", "static_float16", "latent_float16"])
+@pytest.mark.parametrize("past", ["keys", "values"])
+def test_a_token_past_the_caches_dtype_is_named_and_the_cache_kept(store, past):
+    """A float32 layer whose new key (or value) is 7e4, past float16's 65504: a float16
+    cache stored inf, and the key weighed 0, silently (the eighth pass). A ValueError
+    naming the cache's dtype; the cache keeps what it held, and the next step equals a
+    twin's that never saw the call."""
+    from attnlab import MultiHeadLatentAttention
+
+    torch.manual_seed(0)
+    if store == "latent_float16":  # the latent is normalised: its rotary key goes past
+        m = MultiHeadLatentAttention(8, 2, None, 16, 4, 4, 4, 16).eval()
+        with torch.no_grad():
+            m.kv_a_proj_with_mqa.weight[16:].fill_(1e4)
+        past_name = "rotary keys"
+    else:
+        m = MultiHeadAttention(8, 8, 16, 0.0, 2).eval()
+        with torch.no_grad():  # row 8 is the first key feature, row 16 the first value one
+            m.qkv_proj.weight[8 if past == "keys" else 16].fill_(1e4)
+        past_name = past
+
+    def make():
+        if store == "static_float16":
+            return m.make_cache(1, 8, dtype=torch.float16, static=True)
+        return m.make_cache(1, 8, dtype=torch.float16)
+
+    prompt, after = torch.randn(1, 2, 8) * 1e-3, torch.randn(1, 1, 8) * 1e-3
+    big = torch.ones(1, 1, 8)  # 8e4 in the feature the weight row reads
+    with torch.no_grad():
+        cache, twin = make(), make()
+        m(prompt, cache=cache)
+        m(prompt, cache=twin)
+        with pytest.raises(ValueError, match=rf"{past_name} hold .*past the torch\.float16 cache"):
+            m(big, cache=cache)
+        assert (cache.tokens if store == "static_float16" else cache.position) == 2
+        torch.testing.assert_close(m(after, cache=cache), m(after, cache=twin))

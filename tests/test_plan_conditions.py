@@ -754,3 +754,13 @@ def test_under_autocast_a_projection_in_a_narrower_dtype_computes():
         m.out_proj.bfloat16()
         got = m(x)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_outside_autocast_a_projection_in_a_narrower_dtype_is_a_named_type_error(dtype):
+    """The same bfloat16 (or float16) out_proj as above, outside autocast: nothing casts
+    its input, so the named TypeError (F.linear's raw dtype error otherwise)."""
+    m = build(15)
+    m.out_proj.to(dtype)
+    with pytest.raises(TypeError, match=rf"out_proj's weight is torch\.{str(dtype)[6:]}"):
+        m(torch.randn(1, 3, 16))

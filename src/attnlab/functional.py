@@ -343,7 +343,7 @@ def _sdpa(q, k, v, masking, scale, dropout_p, is_causal):
             q, k, v, dropout_p=dropout_p, scale=scale, is_causal=is_causal, **gqa
         )
     row_has_key = None
-    attn_mask = bias.to(q.dtype) if bias is not None else None
+    attn_mask = _bias_in(bias, q.dtype) if bias is not None else None
     if allowed is not None and nonempty_rows:
         attn_mask = (
             allowed
@@ -362,6 +362,16 @@ def _sdpa(q, k, v, masking, scale, dropout_p, is_causal):
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
     )
     return out if row_has_key is None else out * row_has_key.to(out.dtype)
+
+
+def _bias_in(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A finite additive bias in q's dtype for SDPA (which takes it so). One of another
+    dtype is first shifted by each row's largest value (the softmax is the same): a float32
+    mask of 2000.3 and 2001.0 became 2000 and 2001 in float16, and the keys' weights 0.27 and
+    0.73 for 0.33 and 0.67; shifted, the difference 0.7 is what is rounded."""
+    if bias.dtype == dtype:
+        return bias
+    return (bias - bias.amax(dim=-1, keepdim=True)).to(dtype)  # (..., tq, tk)
 
 
 def check_mask(

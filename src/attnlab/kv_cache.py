@@ -36,11 +36,12 @@ runs at full precision; the error is the storage's rounding (README, "Smaller ca
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 
-from attnlab import masks
+from attnlab import debug, masks
 from attnlab._validate import check_bool, check_device, check_int, check_product, check_size
 
 COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
@@ -426,6 +427,7 @@ class KVCache:
             columns = self._columns(slots).flatten()  # in the order of (hd, n)
         for name, x in (("keys", k), ("values", v)):
             stored, scales = self._encode(x)  # (b, hkv, hd, n) or rows, (b, hkv, n) or None
+            check_storable(name, x, self.dtype)
             buffer_name, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
             buffer = getattr(self, buffer_name)
             if grad:
@@ -535,6 +537,24 @@ class KVCache:
 
 
 _EMPTY = torch.empty(0)
+
+
+def check_storable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise a ValueError if x, finite, is not once cast to a cache's storage `dtype`: a
+    float16 cache holds at most 65504, and a key stored as inf weighed 0, silently. Only
+    where that range is narrower than x's, and where attnlab.debug lets a check read values
+    (the CPU by default)."""
+    if dtype == torch.int8 or torch.finfo(dtype).max >= torch.finfo(x.dtype).max:
+        return
+    if not debug.reads_values(x) or not x.numel():
+        return
+    largest = float(torch.linalg.vector_norm(x.detach(), ord=float("inf")))
+    if largest <= torch.finfo(dtype).max or not math.isfinite(largest):
+        return
+    raise ValueError(
+        f"the new tokens' {name} hold {largest:g}, past the {dtype} cache's largest value "
+        f"({torch.finfo(dtype).max:g}): make the cache in a wider dtype (bfloat16 or float32)"
+    )
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

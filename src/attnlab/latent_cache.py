@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
+from attnlab import kv_cache
 from attnlab._validate import check_device, check_size
 
 NARROWER = (torch.bfloat16, torch.float16)  # stored narrower than given, read back wider
@@ -237,6 +238,8 @@ class LatentCache:
         if start + n > self.capacity:  # a caller that did not check: refused, not wrapped
             self.check_room(n)
         stored = self.dtype
+        kv_cache.check_storable("latents", latent, stored)  # float16 holds at most 65504
+        kv_cache.check_storable("rotary keys", rotary_key, stored)
         if torch.is_grad_enabled() and (
             latent.requires_grad or rotary_key.requires_grad or self._rows.requires_grad
         ):  # out of place: the tensors autograd saved stay as it saw them

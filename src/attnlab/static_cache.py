@@ -199,8 +199,8 @@ class StaticKVCache:
         """Store k, v (b, hkv, n, hd) at `positions` (n,) and return every slot's keys and
         values (b, hkv, capacity, hd) in k's dtype (as stored: rounded by a narrower store).
         The position does not move: `_advance` moves it once the step has succeeded."""
-        self._store(self.keys, self.key_scales, k, positions)
-        self._store(self.values, self.value_scales, v, positions)
+        self._store(self.keys, self.key_scales, k, positions, "keys")
+        self._store(self.values, self.value_scales, v, positions, "values")
         keys = self._read(self.keys, self.key_scales, k.dtype)
         return keys, self._read(self.values, self.value_scales, k.dtype)
 
@@ -260,8 +260,9 @@ class StaticKVCache:
         return allowed
 
     @staticmethod
-    def _store(buffer, scales, x: torch.Tensor, positions: torch.Tensor) -> None:
+    def _store(buffer, scales, x: torch.Tensor, positions: torch.Tensor, name: str) -> None:
         if scales is None:
+            kv_cache.check_storable(name, x, buffer.dtype)  # float16 holds at most 65504
             buffer.index_copy_(2, positions, x.to(buffer.dtype))
             return
         quantized, new_scales = kv_cache.quantize(x)  # (b, hkv, n, hd), (b, hkv, n)
