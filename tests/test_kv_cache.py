@@ -541,3 +541,19 @@ def test_a_token_past_the_caches_dtype_is_named_and_the_cache_kept(store, past):
             m(big, cache=cache)
         assert (cache.tokens if store == "static_float16" else cache.position) == 2
         torch.testing.assert_close(m(after, cache=cache), m(after, cache=twin))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("magnitude", [1e-50, 1e39])
+def test_an_int8_cache_names_a_float64_token_its_float32_scales_cannot_hold(static, magnitude):
+    """A float64 layer's tokens of 1e-50 were stored as zeros by an int8 cache (its scales
+    are float32: the output 0 for 3e-51), and of 1e39 as inf, blamed on the projections
+    (the ninth pass). A ValueError naming the range; the cache keeps what it held."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(8, 8, 16, 0.0, 2, dtype=torch.float64).eval()
+    cache = m.make_cache(1, 8, dtype=torch.int8, static=static)
+    with torch.no_grad():
+        m(torch.randn(1, 2, 8, dtype=torch.float64), cache=cache)
+        with pytest.raises(ValueError, match=r"an int8 cache quantizes in float32"):
+            m(torch.randn(1, 1, 8, dtype=torch.float64) * magnitude, cache=cache)
+    assert (cache.tokens if static else cache.position) == 2

@@ -5,6 +5,7 @@ cached decode in any chunks equal to the full forward; the absorbed path the def
 exactly where it does fewer multiply-adds; checks at the door that leave the cache as it
 was; no value read off the CPU (meta tensors)."""
 
+import copy
 import math
 
 import pytest
@@ -685,3 +686,58 @@ def test_a_projection_in_another_dtype_is_a_named_type_error(name):
     getattr(m, name).double()
     with pytest.raises(TypeError, match=f"{name}'s weight is torch.float64"):
         m(torch.randn(1, 3, 16))
+
+
+@pytest.mark.parametrize(("dtype", "weights"), [(torch.float16, 300.0), (torch.float32, 3e19)])
+def test_an_absorbed_query_past_its_dtype_is_computed_expanded(dtype, weights):
+    """q_nope W_UK past q's dtype (65504 in float16 with weights x300; 3.4e38 in float32
+    with x3e19), where the expanded path's keys are not: the absorbed path (absorb=True,
+    and the default for a cached step) raised a false overflow error (the ninth pass);
+    such a call is computed expanded, equal to the module in float64."""
+    torch.manual_seed(1)
+    m = MultiHeadLatentAttention(32, 4, None, 16, 8, 4, 8, 24).eval()
+    with torch.no_grad():
+        m.kv_b_proj.weight.mul_(weights)
+        m.q_proj.weight.mul_(weights)
+        m.o_proj.weight.div_(weights if dtype == torch.float32 else 1.0)
+    wide = copy.deepcopy(m).double()
+    m = m.to(dtype)
+    x = (torch.randn(1, 8, 32) * 3).to(dtype)
+    with torch.no_grad():
+        expected = wide(x.double())
+        full = m(x, absorb=True)
+        cache = m.make_cache(1, 16)
+        steps = [m(x[:, :7], cache=cache, absorb=False), m(x[:, 7:], cache=cache)]
+    tolerance = 2e-3 if dtype == torch.float16 else 1e-5
+    size = float(expected.abs().max())
+    for got in (full, torch.cat(steps, dim=1)):
+        torch.testing.assert_close(got.double(), expected, atol=tolerance * size, rtol=0)
+
+
+def test_compiled_it_computes_expanded_and_absorb_true_is_named():
+    """torch.compile traced kv_b_proj's pristine checks and failed on every call (Dynamo's
+    TypeError on dict keys <= set); compiled, the default path is the expanded one, equal
+    to eager, and absorb=True is a ValueError naming why."""
+    torch.manual_seed(2)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval()
+    compiled = torch.compile(m, backend="aot_eager")
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match=r"torch\.compile does not trace"):
+            compiled(x, absorb=True)
+
+
+def test_absorb_true_under_torch_func_names_why():
+    """The refusal said 'must be a plain nn.Linear ... got Linear' (the ninth pass)."""
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval()
+    params = {name: p.detach().clone() for name, p in m.named_parameters()}  # plain tensors
+    x = torch.randn(2, 3, 16)
+
+    def call(rows):
+        return torch.func.functional_call(m, params, (rows,), {"absorb": True})
+
+    with pytest.raises(ValueError, match=r"its weight is not a registered nn\.Parameter"):
+        call(x)
+    with pytest.raises(ValueError, match=r"inside a torch\.func transform"):
+        torch.func.vmap(call)(x.unsqueeze(1))

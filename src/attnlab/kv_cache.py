@@ -540,13 +540,19 @@ _EMPTY = torch.empty(0)
 
 
 def check_storable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
-    """Raise a ValueError if x, finite, is not once cast to a cache's storage `dtype`: a
-    float16 cache holds at most 65504, and a key stored as inf weighed 0, silently. Only
-    where that range is narrower than x's, and where attnlab.debug lets a check read values
-    (the CPU by default)."""
-    if dtype == torch.int8 or torch.finfo(dtype).max >= torch.finfo(x.dtype).max:
+    """Raise a ValueError if x (b, hkv, n, hd), finite, cannot be stored in a cache of
+    `dtype`: a float16 cache holds at most 65504 (a key stored as inf weighed 0, silently);
+    an int8 cache keeps one float32 scale per token and head, max |x| / 127, which a float64
+    x's token may put past float32's range (inf) or below its smallest normal value (the
+    token stored as zeros). Only where that range is narrower than x's, and where
+    attnlab.debug lets a check read values (the CPU by default)."""
+    range_dtype = torch.float32 if dtype == torch.int8 else dtype
+    if torch.finfo(range_dtype).max >= torch.finfo(x.dtype).max:
         return
     if not debug.reads_values(x) or not x.numel():
+        return
+    if dtype == torch.int8:
+        _check_scales(name, x)
         return
     largest = float(torch.linalg.vector_norm(x.detach(), ord=float("inf")))
     if largest <= torch.finfo(dtype).max or not math.isfinite(largest):
@@ -555,6 +561,22 @@ def check_storable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
         f"the new tokens' {name} hold {largest:g}, past the {dtype} cache's largest value "
         f"({torch.finfo(dtype).max:g}): make the cache in a wider dtype (bfloat16 or float32)"
     )
+
+
+def _check_scales(name: str, x: torch.Tensor) -> None:
+    """check_storable for an int8 cache, which quantizes in float32: each token's largest
+    magnitude over hd is 0 or within float32's range, and its scale (that / 127) within
+    float32's normal range."""
+    largest = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=-1)  # (b, hkv, n)
+    f32 = torch.finfo(torch.float32)
+    bad = (largest > f32.max) | ((largest > 0) & (largest / 127 < f32.tiny))
+    if bool(bad.any()):
+        raise ValueError(
+            f"the new tokens' {name} hold a token of largest magnitude "
+            f"{float(largest[bad].flatten()[0]):g}: an int8 cache quantizes in float32 with "
+            f"float32 scales (largest / 127), so it holds tokens of largest magnitude 0 or "
+            f"from {127 * f32.tiny:g} to {f32.max:g}; use a float32 or float64 cache"
+        )
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab import functional, plan
+from attnlab import debug, functional, plan
 from attnlab import rope_scaling as rope_scaling_
 from attnlab._validate import (
     check_bool,
@@ -401,19 +401,32 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed(self, absorb: bool | None, num_queries: int, num_keys: int) -> bool:
         """The path this call takes: `absorb` as given (True checked against kv_b_proj), or
         the rule where kv_b_proj is plain."""
-        readable = plan.plain_linear(self.kv_b_proj, (self.kv_width, self.kv_lora_rank))
-        readable = readable and self.kv_b_proj.bias is None and plan.no_global_hooks()
-        # a function or dispatch mode would not see kv_b_proj called (traces handle modes)
-        readable = readable and (torch.compiler.is_compiling() or plan.no_active_modes())
+        unreadable = self._kv_b_proj_unreadable()
         if absorb is None:
-            return readable and self.absorbs(num_queries, num_keys)
-        if absorb and not readable:
+            return unreadable is None and self.absorbs(num_queries, num_keys)
+        if absorb and unreadable is not None:
             raise ValueError(
-                f"absorb=True reads kv_b_proj's weight directly: it must be a plain nn.Linear "
-                f"({self.kv_lora_rank} -> {self.kv_width}, no bias, no hooks), got "
-                f"{type(self.kv_b_proj).__name__}; pass absorb=None or False"
+                f"absorb=True reads kv_b_proj's weight directly, which needs a plain "
+                f"nn.Linear ({self.kv_lora_rank} -> {self.kv_width}, no bias, no hooks, no "
+                f"function or dispatch mode active): {unreadable}; pass absorb=None or False"
             )
         return absorb
+
+    def _kv_b_proj_unreadable(self) -> str | None:
+        """Why the absorbed path may not read kv_b_proj's weight in its place, or None."""
+        if torch.compiler.is_compiling():  # its pristine checks read what Dynamo cannot trace
+            return "torch.compile does not trace the check that it is one"
+        if debug.in_func_transform():
+            return "inside a torch.func transform its weight is not a registered parameter"
+        readable = plan.plain_linear(self.kv_b_proj, (self.kv_width, self.kv_lora_rank))
+        readable = readable and self.kv_b_proj.bias is None and plan.no_global_hooks()
+        # a function or dispatch mode would not see kv_b_proj called
+        if readable and plan.no_active_modes():
+            return None
+        layer = self.kv_b_proj
+        if type(layer) is nn.Linear and type(layer.weight) is not nn.Parameter:
+            return "its weight is not a registered nn.Parameter (as in torch.func.functional_call)"
+        return f"got {type(layer).__name__} as it is now"
 
     def _attend(
         self,
@@ -447,7 +460,7 @@ class MultiHeadLatentAttention(nn.Module):
             if rows is None:
                 rows = torch.cat([latent, k_rope], dim=-1)  # (b, tk, r + dr)
             result = self._attend_absorbed(q_nope, q_rope, rows, options)
-        else:
+        if not absorbed or result is None:  # None: q_nope W_UK overflowed q's dtype
             result = self._attend_expanded(q_nope, q_rope, latent, k_rope, options)
         out, weights = result if need_weights else (result, None)  # (b, h, tq, dv)
         out = out.transpose(1, 2).reshape(b, tq, self.num_heads * self.v_head_dim)  # (b, tq, h dv)
@@ -469,11 +482,14 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend_absorbed(self, q_nope, q_rope, rows, options):
         """Attention in the latent space: q_nope W_UK against the held rows as one key head
-        (b, 1, tk, r + dr), their latents the values; W_UV on the heads' outputs."""
+        (b, 1, tk, r + dr), their latents the values; W_UV on the heads' outputs. None
+        where values are read and q_nope W_UK is not finite (the caller then expands)."""
         h, dn, dv, r = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = self.kv_b_proj.weight.view(h, dn + dv, r)  # (h, dn + dv, r): head by head
         w_uk, w_uv = w.split([dn, dv], dim=1)  # (h, dn, r), (h, dv, r)
         q_latent = q_nope @ w_uk  # (b, h, tq, dn) @ (h, dn, r) -> (b, h, tq, r)
+        if debug.reads_values(q_latent) and not bool(torch.isfinite(q_latent).all()):
+            return None  # past q's dtype (65504 in float16): the expanded path computes it
         q = torch.cat([q_latent, q_rope], dim=-1)  # (b, h, tq, r + dr)
         k = rows.unsqueeze(1)  # (b, 1, tk, r + dr): one key head for every query head
         v = k.narrow(-1, 0, r)  # (b, 1, tk, r): the latents, a view of the same rows

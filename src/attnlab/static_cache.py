@@ -265,6 +265,7 @@ class StaticKVCache:
             kv_cache.check_storable(name, x, buffer.dtype)  # float16 holds at most 65504
             buffer.index_copy_(2, positions, x.to(buffer.dtype))
             return
+        kv_cache.check_storable(name, x, buffer.dtype)  # its float32 scales' range
         quantized, new_scales = kv_cache.quantize(x)  # (b, hkv, n, hd), (b, hkv, n)
         buffer.index_copy_(2, positions, quantized)
         scales.index_copy_(2, positions, new_scales)
