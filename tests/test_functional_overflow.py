@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab import MultiHeadAttention, debug, decode_cpu, flash_cpu, plan
+from attnlab import MultiHeadAttention, debug, decode_cpu, flash_cpu, functional, plan
 from attnlab.functional import attention
 
 BACKENDS = ["auto", "math", "sdpa", "flash"]
@@ -171,8 +171,12 @@ def test_a_float32_bias_past_float16_is_taken_as_it_is(backend, bias):
         (torch.float16, {"mask": torch.tensor([2000.3, 2001.0])}),
         (torch.bfloat16, {"mask": torch.tensor([150.3, 150.7])}),
         (torch.float16, {"mask": torch.tensor([-1e9, 2001.0]), "sinks": torch.tensor([2000.3])}),
+        (
+            torch.bfloat16,
+            {"mask": torch.tensor([150.3, 150.7]), "sinks": torch.tensor([3.0]).bfloat16()},
+        ),
     ],
-    ids=["float16_mask", "bfloat16_mask", "float16_sink"],
+    ids=["float16_mask", "bfloat16_mask", "float16_sink", "bfloat16_mask_and_sink"],
 )
 def test_a_wider_bias_keeps_its_differences_in_a_narrower_dtype(backend, dtype, bias):
     """float16 or bfloat16 q, k, v with a float32 mask (or sinks) of large, close values:
@@ -185,6 +189,31 @@ def test_a_wider_bias_keeps_its_differences_in_a_narrower_dtype(backend, dtype, 
     out = attention(q, k, v, backend=backend, **bias)
     expected = reference(q, k, v, sinks=bias.get("sinks"), bias=bias["mask"])
     torch.testing.assert_close(out.double(), expected, atol=4e-3, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_dtype", [torch.float64, torch.float32, torch.float16])
+@pytest.mark.parametrize("mask_dtype", [torch.float64, torch.float32])
+def test_transformers_eager_mask_of_the_dtypes_minimum_is_a_mask(
+    backend, q_dtype, mask_dtype, monkeypatch
+):
+    """transformers' eager masks hold finfo(dtype).min where a query may not attend: the
+    bound counted it as a bias past float64 and refused every float64 model swapped in
+    eager mode (the tenth pass), and sent float32 ones to the float64 route. It equals the
+    same mask with -inf, on the kernels' own path."""
+    if backend == "flash" and (q_dtype != torch.float32 or not flash_cpu.available()):
+        pytest.skip("the flash kernel takes float32 only")
+    monkeypatch.setattr(functional, "_attend_in_float64", None)  # any call fails
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g).to(q_dtype) for _ in range(3))
+    allowed = torch.ones(5, 5).tril().bool()
+    allowed[:, 0] = allowed[0, 0] = True  # every row keeps a key
+    minimum = torch.zeros(5, 5, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
+    out = attention(q, k, v, mask=minimum, backend=backend)
+    tolerance = 2e-3 if q_dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, allowed=allowed), atol=tolerance, rtol=tolerance
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

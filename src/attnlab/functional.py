@@ -161,7 +161,7 @@ def attend(
     chosen = _choose_backend(
         backend, need_weights, (q, k, v), causal, dropout_p, (mask, sinks), softcap
     )
-    if debug.reads_values(q) and _past_safe_scores(q, k, mask, sinks, scale):
+    if debug.reads_values(q) and _past_safe_scores(q, k, scale):
         options = {"mask": mask, "causal": causal, "scale": scale, "dropout_p": dropout_p}
         options |= {"need_weights": need_weights, "softcap": softcap}
         return _attend_in_float64(q, k, v, sinks, nonempty_rows=nonempty_rows, **options)
@@ -197,27 +197,18 @@ def _safe_score(dtype: torch.dtype) -> float:
     return torch.finfo(torch.promote_types(dtype, torch.float32)).max / 4
 
 
-def _past_safe_scores(q, k, mask, sinks, scale: float) -> bool:
-    """Whether |scale x q . k + bias|, or a partial sum the kernels add up to it, may pass
-    _safe_score: a bound in Python floats, hd max|q| max|k| max(scale, 1) plus the largest
-    finite bias and sink logit, from one pass over q, k and a float mask (-inf, "may not
-    attend", left out); or whether that bias may pass q's own dtype, which SDPA casts it to
-    (-1e5 is -inf in float16). False for a non-finite q or k (a module's projection
-    overflowed: its output check names that)."""
+def _past_safe_scores(q, k, scale: float) -> bool:
+    """Whether |scale x q . k|, or a partial sum the kernels add up to it, may pass
+    _safe_score: a bound in Python floats, hd max|q| max|k| max(scale, 1), from one pass
+    over q and k (a bias is shifted per row before any kernel adds it: _row_shifted). False
+    for a non-finite q or k (a module's projection overflowed: its output check names
+    that)."""
     if not q.numel() or not k.numel():  # no score at all
         return False
     largest_q, largest_k = _largest_magnitude(q), _largest_magnitude(k)
     if not math.isfinite(largest_q) or not math.isfinite(largest_k):
         return False
-    bias = 0.0  # the largest finite bias or sink logit
-    if mask is not None and mask.dtype != torch.bool and mask.numel():
-        finite = torch.isfinite(mask)  # -inf only: check_mask refused NaN and +inf
-        bias = float(torch.where(finite, mask.detach().abs(), 0.0).amax())
-    if sinks is not None and sinks.numel():
-        bias = max(bias, _largest_magnitude(sinks))
-    if bias > torch.finfo(q.dtype).max / 4:  # SDPA takes them in q's dtype (float16: 65504)
-        return True
-    return q.shape[-1] * largest_q * largest_k * max(scale, 1.0) + bias > _safe_score(q.dtype)
+    return q.shape[-1] * largest_q * largest_k * max(scale, 1.0) > _safe_score(q.dtype)
 
 
 def _largest_magnitude(t: torch.Tensor) -> float:
@@ -235,7 +226,7 @@ def _attend_in_float64(q, k, v, sinks, **options):
         raise ValueError(
             f"the scores could overflow float64: head_dim ({q.shape[-1]}) x max |q| "
             f"({_largest_magnitude(q):g}) x max |k| ({_largest_magnitude(k):g}) x scale "
-            f"({options['scale']:g}), with the mask's bias, is past a quarter of float64's "
+            f"({options['scale']:g}), is past a quarter of float64's "
             f"largest value; use a smaller scale or smaller q, k"
         )
     mask = options.pop("mask")
@@ -249,10 +240,26 @@ def _attend_in_float64(q, k, v, sinks, **options):
     return result.to(q.dtype)
 
 
+def _row_shifted(allowed, bias):
+    """The bias (finite) less each row's largest allowed value, which the softmax does not
+    see: a row's values then stay at most 0, the one that was largest is 0, and what any
+    kernel rounds (in q's dtype for SDPA, float32 for math) is their differences. A float32
+    mask of 2000.3 and 2001.0 was 2000 and 2001 in float16 (weights 0.27/0.73 for
+    0.33/0.67); a row of finfo.min (transformers' eager mask) or of +1e5 in float16 was inf;
+    a bias far below the row's largest may become -inf, whose weight, 0, is exact."""
+    if bias is None:
+        return None
+    seen = bias if allowed is None else bias.masked_fill(allowed.logical_not(), -torch.inf)
+    top = seen.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)  # (..., tq, 1)
+    return bias - top  # (..., tq, tk)
+
+
 def _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap):
     """One backend on split masks: masking is (allowed bool or None, bias float without -inf
     or None, whether every row is known to allow a key)."""
     allowed, bias, nonempty_rows = masking
+    bias = _row_shifted(allowed, bias)
+    masking = (allowed, bias, nonempty_rows)
     if backend == "flash":
         return flash_cpu.attention(q, k, v, _additive(allowed, bias), scale, causal)
     # SDPA's own is_causal is top-left aligned: use it only where that is the same (square).
@@ -289,7 +296,8 @@ def _with_sink_key(k, v, allowed, bias, sinks, tq):
     hq = sinks.shape[0]
     real = bias.expand(bb, hq, tq, tk) if bias is not None else sinks.new_zeros(1, hq, tq, tk)
     sink = sinks.view(1, hq, 1, 1).expand(real.shape[0], hq, tq, 1)
-    return k, v, allowed, torch.cat([real.to(sinks.dtype), sink], dim=-1)  # (.., tq, tk + 1)
+    wide = torch.promote_types(real.dtype, sinks.dtype)  # a float32 mask keeps its digits
+    return k, v, allowed, torch.cat([real.to(wide), sink.to(wide)], dim=-1)  # (.., tq, tk + 1)
 
 
 def _math(q, k, v, masking, scale, dropout_p, softcap=None):
@@ -343,7 +351,7 @@ def _sdpa(q, k, v, masking, scale, dropout_p, is_causal):
             q, k, v, dropout_p=dropout_p, scale=scale, is_causal=is_causal, **gqa
         )
     row_has_key = None
-    attn_mask = _bias_in(bias, q.dtype) if bias is not None else None
+    attn_mask = bias.to(q.dtype) if bias is not None else None  # SDPA takes q's dtype
     if allowed is not None and nonempty_rows:
         attn_mask = (
             allowed
@@ -362,16 +370,6 @@ def _sdpa(q, k, v, masking, scale, dropout_p, is_causal):
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, **gqa
     )
     return out if row_has_key is None else out * row_has_key.to(out.dtype)
-
-
-def _bias_in(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A finite additive bias in q's dtype for SDPA (which takes it so). One of another
-    dtype is first shifted by each row's largest value (the softmax is the same): a float32
-    mask of 2000.3 and 2001.0 became 2000 and 2001 in float16, and the keys' weights 0.27 and
-    0.73 for 0.33 and 0.67; shifted, the difference 0.7 is what is rounded."""
-    if bias.dtype == dtype:
-        return bias
-    return (bias - bias.amax(dim=-1, keepdim=True)).to(dtype)  # (..., tq, tk)
 
 
 def check_mask(
