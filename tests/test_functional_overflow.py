@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab import MultiHeadAttention, debug, decode_cpu, flash_cpu, functional, plan
+from attnlab import MultiHeadAttention, alibi, debug, decode_cpu, flash_cpu, functional, plan
 from attnlab.functional import attention
 
 BACKENDS = ["auto", "math", "sdpa", "flash"]
@@ -214,6 +214,48 @@ def test_transformers_eager_mask_of_the_dtypes_minimum_is_a_mask(
     torch.testing.assert_close(
         out.double(), reference(q, k, v, allowed=allowed), atol=tolerance, rtol=tolerance
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_row_shift_reads_only_the_keys_the_causal_rule_shows(backend, dtype):
+    """A mask of [-3e38, 3e38] with causal=True: the first query sees only the first key.
+    Shifted by the hidden key's 3e38, its bias overflowed to -inf: zeros from sdpa, flash
+    and auto, a false overflow error from math (the eleventh pass)."""
+    if backend == "flash" and (dtype != torch.float32 or not flash_cpu.available()):
+        pytest.skip("the flash kernel takes float32 only")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 1, 2, 4, generator=g).to(dtype) for _ in range(3))
+    bias = torch.tensor([-3e38, 3e38])
+    out = attention(q, k, v, mask=bias, causal=True, backend=backend)
+    expected = reference(q, k, v, causal=True, bias=bias.double())
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "math"])
+def test_alibi_with_causal_in_bfloat16_as_documented(backend):
+    """alibi.bias is positive on future keys; passed with causal=True (as the docs show),
+    each row was shifted by its hidden keys' largest value and bfloat16 rounded the seen
+    ones coarsely: 0.53 off at 512 tokens."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 512, 16, generator=g).bfloat16() for _ in range(3))
+    bias = alibi.bias(alibi.slopes(4) * 4, num_queries=512)  # (1, 4, 512, 512)
+    out = attention(q, k, v, mask=bias, causal=True, backend=backend)
+    expected = reference(q, k, v, causal=True, bias=bias.double())
+    error = float((out.double() - expected).abs().max() / expected.abs().max())
+    assert error < 2e-2, error
+
+
+def test_the_shift_is_computed_in_the_wider_dtype():
+    """A bfloat16 mask with float64 q: the shift was computed in bfloat16 (weights 0.9519 /
+    0.0481 for 0.9521 / 0.0479); it is computed in float64, exactly."""
+    q = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    k, v = torch.zeros(1, 1, 2, 4, dtype=torch.float64), torch.eye(2, 4).double().view(1, 1, 2, 4)
+    bias = torch.tensor([3.0, 0.0100098]).bfloat16()
+    _, weights = attention(q, k, v, mask=bias, need_weights=True, backend="math")
+    exact = torch.softmax(bias.double(), dim=-1)
+    torch.testing.assert_close(weights.flatten(), exact, atol=1e-15, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -240,16 +240,24 @@ def _attend_in_float64(q, k, v, sinks, **options):
     return result.to(q.dtype)
 
 
-def _row_shifted(allowed, bias):
-    """The bias (finite) less each row's largest allowed value, which the softmax does not
-    see: a row's values then stay at most 0, the one that was largest is 0, and what any
-    kernel rounds (in q's dtype for SDPA, float32 for math) is their differences. A float32
-    mask of 2000.3 and 2001.0 was 2000 and 2001 in float16 (weights 0.27/0.73 for
-    0.33/0.67); a row of finfo.min (transformers' eager mask) or of +1e5 in float16 was inf;
-    a bias far below the row's largest may become -inf, whose weight, 0, is exact."""
+def _row_shifted(allowed, bias, causal: bool, q: torch.Tensor, num_keys: int):
+    """The bias (finite) less each row's largest value over the keys the query sees (the
+    mask's and, with `causal`, the causal rule's), which the softmax does not see: those
+    values then stay at most 0, the largest is 0, and what any kernel rounds (in q's dtype
+    for SDPA, float32 for math) is their differences, computed in the wider of the bias's
+    dtype and q's compute dtype. A float32 mask of 2000.3 and 2001.0 was 2000 and 2001 in
+    float16 (weights 0.27/0.73 for 0.33/0.67); a row of finfo.min (transformers' eager
+    mask) or of +1e5 in float16 was inf; a bias far below the row's largest may become
+    -inf, whose weight, 0, is exact."""
     if bias is None:
         return None
-    seen = bias if allowed is None else bias.masked_fill(allowed.logical_not(), -torch.inf)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    bias = bias.to(torch.promote_types(bias.dtype, compute))
+    seen_keys = allowed
+    if causal:  # bottom-right aligned, as _run applies it
+        rule = masks.causal_mask(q.shape[2], num_keys, device=bias.device)  # (tq, tk)
+        seen_keys = rule if allowed is None else masks.combine_masks(allowed, rule)
+    seen = bias if seen_keys is None else bias.masked_fill(seen_keys.logical_not(), -torch.inf)
     top = seen.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)  # (..., tq, 1)
     return bias - top  # (..., tq, tk)
 
@@ -258,7 +266,7 @@ def _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, soft
     """One backend on split masks: masking is (allowed bool or None, bias float without -inf
     or None, whether every row is known to allow a key)."""
     allowed, bias, nonempty_rows = masking
-    bias = _row_shifted(allowed, bias)
+    bias = _row_shifted(allowed, bias, causal, q, k.shape[2])
     masking = (allowed, bias, nonempty_rows)
     if backend == "flash":
         return flash_cpu.attention(q, k, v, _additive(allowed, bias), scale, causal)
