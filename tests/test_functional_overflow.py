@@ -234,6 +234,35 @@ def test_the_row_shift_reads_only_the_keys_the_causal_rule_shows(backend, dtype)
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "math"])
+@pytest.mark.parametrize(
+    ("dtype", "bias"),
+    [
+        (torch.float16, torch.tensor([1e5])),
+        (torch.float32, torch.tensor([1e300], dtype=torch.float64)),
+    ],
+)
+def test_a_row_that_sees_no_key_is_zeros_whatever_its_bias(backend, dtype, bias):
+    """causal with more queries than keys: the first query sees none. Its unshifted bias
+    (1e5 in float16, 1e300 in float32) was inf once SDPA opened the row: a false overflow
+    error (the twelfth pass). Zeros, and the other row its one key's value."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 1, 2, 4, generator=g).to(dtype)
+    k, v = (torch.randn(1, 1, 1, 4, generator=g).to(dtype) for _ in range(2))
+    out = attention(q, k, v, mask=bias, causal=True, backend=backend)
+    assert torch.equal(out[0, 0, 0], torch.zeros(4, dtype=dtype))
+    torch.testing.assert_close(out[0, 0, 1], v[0, 0, 0])
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa"])
+def test_a_float_mask_over_no_key_gives_zeros(backend):
+    """No key and a float mask of zero keys: amax over the empty keys axis raised an
+    IndexError (the twelfth pass); zeros, as with no mask or a bool one."""
+    q, kv = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4)
+    out = attention(q, kv, kv, mask=torch.zeros(1, 1, 3, 0), backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "math"])
 def test_alibi_with_causal_in_bfloat16_as_documented(backend):
     """alibi.bias is positive on future keys; passed with causal=True (as the docs show),
     each row was shifted by its hidden keys' largest value and bfloat16 rounded the seen

@@ -248,18 +248,22 @@ def _row_shifted(allowed, bias, causal: bool, q: torch.Tensor, num_keys: int):
     dtype and q's compute dtype. A float32 mask of 2000.3 and 2001.0 was 2000 and 2001 in
     float16 (weights 0.27/0.73 for 0.33/0.67); a row of finfo.min (transformers' eager
     mask) or of +1e5 in float16 was inf; a bias far below the row's largest may become
-    -inf, whose weight, 0, is exact."""
+    -inf, whose weight, 0, is exact. A row that sees no key gets a bias of 0."""
     if bias is None:
         return None
     compute = torch.promote_types(q.dtype, torch.float32)
     bias = bias.to(torch.promote_types(bias.dtype, compute))
+    if num_keys == 0:  # no key, no row to shift
+        return bias
     seen_keys = allowed
     if causal:  # bottom-right aligned, as _run applies it
         rule = masks.causal_mask(q.shape[2], num_keys, device=bias.device)  # (tq, tk)
         seen_keys = rule if allowed is None else masks.combine_masks(allowed, rule)
     seen = bias if seen_keys is None else bias.masked_fill(seen_keys.logical_not(), -torch.inf)
-    top = seen.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)  # (..., tq, 1)
-    return bias - top  # (..., tq, tk)
+    top = seen.amax(dim=-1, keepdim=True)  # (..., tq, 1): -inf where a row sees no key
+    # such a row's bias is 0: SDPA opens it to every key before zeroing it, and an unshifted
+    # 1e5 there was inf in float16 (NaN, then a false overflow error)
+    return torch.where(top.isneginf(), 0.0, bias - top)  # (..., tq, tk)
 
 
 def _run(backend, q, k, v, masking, causal, scale, dropout_p, need_weights, softcap):
