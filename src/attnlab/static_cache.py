@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch._dynamo
 
-from attnlab import kv_cache
+from attnlab import debug, kv_cache
 from attnlab._validate import check_device, check_product, check_size
 
 
@@ -209,9 +209,10 @@ class StaticKVCache:
         """Around a step that writes `positions` (n,): if it raises, those slots get back
         what they held (a slot past the tokens is masked, but a weight of 0 times an
         infinity written there by a step that overflowed is NaN for every later step).
-        Nothing is copied while torch.compile traces (a compiled step raises no value
-        check)."""
-        if torch.compiler.is_compiling():
+        Only where the step's value checks run (attnlab.debug: the CPU by default), the one
+        place such a step raises: a GPU step, compiled or not, copies nothing (no op more
+        per step)."""
+        if not debug.reads_values(positions):
             yield
             return
         tensors = [t for t in (self.keys, self.values, self.key_scales, self.value_scales)]
