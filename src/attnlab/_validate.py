@@ -214,6 +214,12 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def largest_magnitude(t: torch.Tensor) -> float:
+    """max |t| as a Python float (a value read: the caller checks debug.reads_values), by a
+    reduction that makes no |t| copy (t may be a KV cache's whole view)."""
+    return float(torch.linalg.vector_norm(t.detach(), ord=math.inf))
+
+
 _MODULE_OVERFLOW = (
     "the projections or the scores overflowed (x's values times the weights, or the scale "
     "times q . k, past the dtype's largest value)"

@@ -36,6 +36,7 @@ from attnlab._validate import (
     check_float,
     check_mask_kind,
     check_tensor,
+    largest_magnitude,
 )
 from attnlab.strides import dense_rows
 
@@ -205,16 +206,10 @@ def _past_safe_scores(q, k, scale: float) -> bool:
     that)."""
     if not q.numel() or not k.numel():  # no score at all
         return False
-    largest_q, largest_k = _largest_magnitude(q), _largest_magnitude(k)
+    largest_q, largest_k = largest_magnitude(q), largest_magnitude(k)
     if not math.isfinite(largest_q) or not math.isfinite(largest_k):
         return False
     return q.shape[-1] * largest_q * largest_k * max(scale, 1.0) > _safe_score(q.dtype)
-
-
-def _largest_magnitude(t: torch.Tensor) -> float:
-    """max |t| as a Python float, by a reduction that makes no |t| copy (t may be a KV
-    cache's whole view)."""
-    return float(torch.linalg.vector_norm(t.detach(), ord=math.inf))
 
 
 def _attend_in_float64(q, k, v, sinks, **options):
@@ -225,7 +220,7 @@ def _attend_in_float64(q, k, v, sinks, **options):
     if q.dtype == torch.float64:
         raise ValueError(
             f"the scores could overflow float64: head_dim ({q.shape[-1]}) x max |q| "
-            f"({_largest_magnitude(q):g}) x max |k| ({_largest_magnitude(k):g}) x scale "
+            f"({largest_magnitude(q):g}) x max |k| ({largest_magnitude(k):g}) x scale "
             f"({options['scale']:g}), is past a quarter of float64's "
             f"largest value; use a smaller scale or smaller q, k"
         )

@@ -42,7 +42,14 @@ from collections.abc import Iterator
 import torch
 
 from attnlab import debug, masks
-from attnlab._validate import check_bool, check_device, check_int, check_product, check_size
+from attnlab._validate import (
+    check_bool,
+    check_device,
+    check_int,
+    check_product,
+    check_size,
+    largest_magnitude,
+)
 
 COMPRESSED = (torch.bfloat16, torch.float16, torch.int8)  # stored narrower than given
 BLOCK_TOKENS = 256  # tokens per block where the native decode step reads the cache
@@ -554,7 +561,7 @@ def check_storable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.int8:
         _check_scales(name, x)
         return
-    largest = float(torch.linalg.vector_norm(x.detach(), ord=float("inf")))
+    largest = largest_magnitude(x)
     if largest <= torch.finfo(dtype).max or not math.isfinite(largest):
         return
     raise ValueError(

@@ -215,8 +215,8 @@ class StaticKVCache:
         if not debug.reads_values(positions):
             yield
             return
-        tensors = [t for t in (self.keys, self.values, self.key_scales, self.value_scales)]
-        tensors = [t for t in tensors if t is not None]
+        every = (self.keys, self.values, self.key_scales, self.value_scales)
+        tensors = [t for t in every if t is not None]
         held = [t.index_select(2, positions) for t in tensors]  # each (b, hkv, n[, hd])
         try:
             yield
@@ -262,11 +262,10 @@ class StaticKVCache:
 
     @staticmethod
     def _store(buffer, scales, x: torch.Tensor, positions: torch.Tensor, name: str) -> None:
+        kv_cache.check_storable(name, x, buffer.dtype)  # float16's 65504, int8's float32 scales
         if scales is None:
-            kv_cache.check_storable(name, x, buffer.dtype)  # float16 holds at most 65504
             buffer.index_copy_(2, positions, x.to(buffer.dtype))
             return
-        kv_cache.check_storable(name, x, buffer.dtype)  # its float32 scales' range
         quantized, new_scales = kv_cache.quantize(x)  # (b, hkv, n, hd), (b, hkv, n)
         buffer.index_copy_(2, positions, quantized)
         scales.index_copy_(2, positions, new_scales)
