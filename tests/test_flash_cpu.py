@@ -23,6 +23,27 @@ from tests.definitions import reference
 ATOL = 1e-5
 
 
+def test_available_is_marked_constant_as_torchs_decorator_marks():
+    """available() carries what torch.compiler.assume_constant_result sets on a function,
+    set by hand so that importing attnlab does not import torch._dynamo."""
+
+    def probe() -> bool:
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked), "torch's decorator no longer marks the function itself"
+    for name, value in vars(marked).items():
+        assert getattr(flash_cpu.available, name, None) == value, name
+
+
+def test_importing_attnlab_leaves_torch_dynamo_unimported():
+    """torch._dynamo took 1.4 s of `import attnlab` (and of every `attnlab check`)."""
+    code = "import sys, attnlab, attnlab.cli, attnlab.check; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "False"
+
+
 def test_the_kernel_builds_here():
     """On Linux x86-64 with a C++ compiler (CI), a fallback would hide a broken build."""
     if platform.system() != "Linux" or shutil.which("c++") is None:

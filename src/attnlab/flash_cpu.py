@@ -46,10 +46,15 @@ def build_name() -> str:
     return _build.name_for(_NAME, _SOURCE)
 
 
-@torch.compiler.assume_constant_result  # a compiled caller reads it once, at trace time
 def available() -> bool:
     """True when the kernel is built and loaded (builds it on the first call)."""
     return load_error() is None
+
+
+# A compiled caller reads it once, at trace time: torch.compiler.assume_constant_result's
+# whole effect (torch/_dynamo/decorators.py), set without importing torch._dynamo, which
+# was 1.4 s of `import attnlab` (tests/test_flash_cpu.py compares it with torch's own).
+available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def preferred() -> bool:

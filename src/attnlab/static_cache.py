@@ -29,7 +29,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch._dynamo
 
 from attnlab import debug, kv_cache
 from attnlab._validate import check_device, check_product, check_size
@@ -89,8 +88,10 @@ class StaticKVCache:
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the next token's
         self.tokens = 0  # tokens written by eager calls: the host's count, for checks
         self._device_ahead = False  # compiled steps moved the position past `tokens`
+        from torch import _dynamo  # here, not at import: 1.4 s only a static cache needs
+
         for tensor in self._tensors():  # fixed addresses: a CUDA graph replays on them
-            torch._dynamo.mark_static_address(tensor)
+            _dynamo.mark_static_address(tensor)
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor a step reads or writes in place."""
