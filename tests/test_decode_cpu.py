@@ -27,9 +27,13 @@ def _native(m, x, cache) -> bool:
     return plan.native_decode(m, x, cache) is not None
 
 
-def build(seed, num_heads, num_kv_heads, head_dim=4, rope=False, window=None, bias=False):
+def build(
+    seed, num_heads, num_kv_heads, head_dim=4, rope=False, window=None, bias=False, qk_norm=None,
+    norm_offset=0.0,
+):  # fmt: skip
+    """A layer of 6 input features; query/key norms (if any) with random weights."""
     torch.manual_seed(seed)
-    return MultiHeadAttention(
+    m = MultiHeadAttention(
         6,
         num_heads * head_dim,
         24,
@@ -39,7 +43,14 @@ def build(seed, num_heads, num_kv_heads, head_dim=4, rope=False, window=None, bi
         num_kv_heads=num_kv_heads,
         rope=rope,
         window=window,
+        qk_norm=qk_norm,
+        qk_norm_offset=norm_offset,
     ).eval()
+    if qk_norm is not None:
+        with torch.no_grad():
+            m.q_norm.weight.normal_()
+            m.k_norm.weight.normal_()
+    return m
 
 
 def decode(m, x, dtype, prompt=1, backend="auto"):
@@ -63,6 +74,8 @@ def layouts(draw):
         rope=draw(st.booleans()),
         window=draw(st.one_of(st.none(), st.integers(1, 6))),
         bias=draw(st.booleans()),
+        qk_norm=draw(st.sampled_from([None, "head", "projection"])),
+        norm_offset=draw(st.sampled_from([0.0, 1.0])),
     )
 
 
@@ -82,13 +95,20 @@ def test_decoding_equals_the_full_forward_for_every_layout_and_cache_dtype(c, dt
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
-@pytest.mark.parametrize(("rope", "window", "bias"), [(False, None, False), (True, 5, True)])
-def test_the_native_step_equals_the_python_path(dtype, num_kv_heads, rope, window, bias):
+@pytest.mark.parametrize(
+    ("rope", "window", "bias", "qk_norm"),
+    [(False, None, False, None), (True, 5, True, None), (True, None, False, "head"),
+     (False, 5, True, "projection")],
+)  # fmt: skip
+def test_the_native_step_equals_the_python_path(dtype, num_kv_heads, rope, window, bias, qk_norm):
     """Same cache dtype, the same stored tokens and outputs (backend "math" is the Python
-    path, "auto" the native step), batch 2, past a rolling window."""
-    m = build(5, 4, num_kv_heads, head_dim=8, rope=rope, window=window, bias=bias)
+    path, "auto" the native step), batch 2, past a rolling window; query/key norms per head
+    (Gemma's 1 + weight) and over the projections."""
+    offset = 1.0 if qk_norm == "head" else 0.0
+    m = build(5, 4, num_kv_heads, 8, rope, window, bias, qk_norm=qk_norm, norm_offset=offset)
     x = torch.randn(2, 20, 6)
     with torch.no_grad():
+        assert _native(m, x[:, :1], m.make_cache(2, dtype=dtype))
         native, native_cache = decode(m, x, dtype, prompt=3)
         python, python_cache = decode(m, x, dtype, prompt=3, backend="math")
     # a narrower store may round a key the two paths computed 1e-7 apart to neighbouring

@@ -57,6 +57,8 @@ def decode_args(dtype: torch.dtype = torch.float32, bias: bool = True) -> dict:
         b_out=torch.randn(D_OUT, generator=g) if bias else torch.empty(0),
         cos=torch.randn(ROWS, HD, generator=g),
         sin=torch.randn(ROWS, HD, generator=g),
+        q_norm=torch.empty(0),
+        k_norm=torch.empty(0),
         keys_t=torch.zeros(cache, dtype=dtype),
         values_t=torch.zeros(cache, dtype=dtype),
         key_scales=torch.zeros(scales),
@@ -68,6 +70,8 @@ def decode_args(dtype: torch.dtype = torch.float32, bias: bool = True) -> dict:
         count=4,
         block=16,
         scale=1 / math.sqrt(HD),
+        norm_eps=1e-6,
+        norm_offset=0.0,
     )
 
 
@@ -88,6 +92,8 @@ def _cache(*shape, dtype=torch.float32):
 
 
 NO_ROPE = {"cos": torch.empty(0), "sin": torch.empty(0)}
+HEAD_NORMS = {"q_norm": torch.randn(HD), "k_norm": torch.randn(HD)}  # Qwen3's, per head
+PROJECTION_NORMS = {"q_norm": torch.randn(D_OUT), "k_norm": torch.randn(KV_HEADS * HD)}  # OLMo 2
 CACHE = (B, KV_HEADS, HD * CAP)  # keys_t, values_t
 SCALES = (B, KV_HEADS, CAP)  # an int8 cache's scales
 
@@ -208,6 +214,42 @@ DECODE_CASES = [
     ("cos_transposed", "cos", lambda a: {"cos": torch.randn(HD, ROWS).t()}),
     ("sin_fewer_rows", "sin", lambda a: {"sin": torch.randn(ROWS // 2, HD)}),
     ("sin_bfloat16", "sin", lambda a: {"sin": a["sin"].bfloat16()}),
+    # q_norm / k_norm, norm_eps / norm_offset
+    ("valid_norms_per_head", None, lambda a: {**HEAD_NORMS, "norm_offset": 1.0}),
+    ("valid_norms_over_the_projections", None, lambda a: PROJECTION_NORMS),
+    ("q_norm_without_k_norm", "k_norm", lambda a: {"q_norm": torch.randn(HD)}),
+    ("k_norm_without_q_norm", "q_norm", lambda a: {"k_norm": torch.randn(HD)}),
+    ("q_norm_wrong_width", "q_norm", lambda a: {**HEAD_NORMS, "q_norm": torch.randn(HD + 4)}),
+    (
+        "k_norm_projection_width_per_head",
+        "k_norm",
+        lambda a: {**HEAD_NORMS, "k_norm": torch.randn(KV_HEADS * HD)},
+    ),
+    (
+        "k_norm_head_width_over_projection",
+        "k_norm",
+        lambda a: {**PROJECTION_NORMS, "k_norm": torch.randn(HD)},
+    ),
+    ("q_norm_rank_2", "q_norm", lambda a: {**HEAD_NORMS, "q_norm": torch.randn(1, HD)}),
+    ("q_norm_float64", "q_norm", lambda a: {**HEAD_NORMS, "q_norm": torch.randn(HD).double()}),
+    ("k_norm_bfloat16", "k_norm", lambda a: {**HEAD_NORMS, "k_norm": torch.randn(HD).bfloat16()}),
+    ("k_norm_non_contiguous", "k_norm", lambda a: {**HEAD_NORMS, "k_norm": _every_other((HD,))}),
+    ("norm_eps_0", "norm_eps", lambda a: {**HEAD_NORMS, "norm_eps": 0.0}),
+    ("norm_eps_negative", "norm_eps", lambda a: {**HEAD_NORMS, "norm_eps": -1e-6}),
+    ("norm_eps_nan", "norm_eps", lambda a: {**HEAD_NORMS, "norm_eps": math.nan}),
+    ("norm_eps_past_float32", "norm_eps", lambda a: {**HEAD_NORMS, "norm_eps": 1e39}),
+    ("norm_offset_inf", "norm_offset", lambda a: {**HEAD_NORMS, "norm_offset": math.inf}),
+    ("norm_offset_past_float32", "norm_offset", lambda a: {**HEAD_NORMS, "norm_offset": -1e39}),
+    (
+        "q_norm_on_meta",
+        "q_norm",
+        lambda a: {**HEAD_NORMS, "q_norm": torch.randn(HD, device="meta")},
+    ),
+    (
+        "keys_t_shares_k_norm",
+        "k_norm",
+        lambda a: {**HEAD_NORMS, **_sharing("keys_t", "k_norm", (HD,), a)},
+    ),
     # position
     ("position_past_rope_table", "position", lambda a: {"position": ROWS}),
     ("position_huge", "position", lambda a: {"position": 10**12}),

@@ -12,10 +12,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
 from attnlab import KVCache, MultiHeadAttention, decode_cpu, plan
+from attnlab.norms import RMSNorm
 from attnlab.rope import RotaryEmbedding
 
 needs_native = pytest.mark.skipif(
@@ -82,6 +85,9 @@ TAKEN = {
     "mqa": {"num_kv_heads": 1, "rope": True},
     "window": {"window": 3},
     "dropout in eval": {"dropout": 0.5},
+    "query/key norms per head": {"qk_norm": "head", "rope": True},
+    "query/key norms over the projection": {"qk_norm": "projection", "num_kv_heads": 1},
+    "Gemma's 1 + weight norms": {"qk_norm": "head", "qk_norm_offset": 1.0, "rope": True},
 }
 
 
@@ -127,6 +133,25 @@ def _out_proj(bias=True, **where):
     return nn.Linear(32, 32, bias=bias, **where)
 
 
+# each a module with query/key norms violating one condition the native step states of
+# them; the ones with a forward to compare are decoded through their own call below
+NORM_REFUSED = {
+    "q_norm another module": lambda: _changed(build(qk_norm="head"), q_norm=nn.Identity()),
+    "k_norm a subclass": lambda: _changed(build(qk_norm="head"), k_norm=_NormSubclass(8)),
+    "k_norm of another eps": lambda: _norm_changed("k_norm", eps=1e-3),
+    "q_norm of another offset": lambda: _norm_changed("q_norm", offset=1.0),
+    "q_norm float64": lambda: _changed(build(qk_norm="head"), q_norm=RMSNorm(8).double()),
+    "k_norm on meta": lambda: _changed(build(qk_norm="head"), k_norm=RMSNorm(8, device="meta")),
+    "q_norm over the projection's width": lambda: _changed(
+        build(qk_norm="head"), q_norm=RMSNorm(32)
+    ),
+    "k_norm weight a buffer": lambda: _norm_weight_as_buffer(build(qk_norm="projection")),
+    "q_norm with a forward hook": lambda: _hooked(build(qk_norm="head")),
+    "k_norm with an instance forward": lambda: _norm_changed("k_norm", forward=lambda x: x),
+}
+_NO_FORWARD = {"k_norm on meta", "q_norm over the projection's width"}  # the door's errors
+
+
 # each a module violating one condition the native step states (built in the test)
 REFUSED = {
     "backend math": lambda: build(backend="math"),
@@ -151,7 +176,31 @@ REFUSED = {
     "another rope": lambda: _changed(build(rope=True), rope=nn.Identity()),
     "rope cos None": lambda: _changed(build(rope=True), cos=None),  # a buffer may hold None
     "rope sin None": lambda: _changed(build(rope=True), sin=None),
+    **NORM_REFUSED,
 }
+
+
+class _NormSubclass(RMSNorm):
+    """An RMSNorm subclass: whatever it changes, the kernel does not know it."""
+
+
+def _norm_changed(name, **attributes):
+    """A module with per-head norms whose `name` norm has each attribute set."""
+    m = build(qk_norm="head")
+    _changed(getattr(m, name), **attributes)
+    return m
+
+
+def _norm_weight_as_buffer(m):
+    weight = m.k_norm.weight.detach().clone()
+    del m.k_norm.weight
+    m.k_norm.register_buffer("weight", weight)
+    return m
+
+
+def _hooked(m):
+    m.q_norm.register_forward_hook(lambda module, args, out: out * 2.0)
+    return m
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -266,8 +315,6 @@ def test_rotary_tables_the_kernel_does_not_read_take_the_python_path(change):
 
 UNTAKEN = {
     "head_dim 6": dict(d_out=24, rope=True),
-    "query/key norms per head": dict(qk_norm="head", rope=True),
-    "query/key norms over the projection": dict(qk_norm="projection"),
     "partial rotary": dict(rope=True, rotary_dim=4),
 }
 
@@ -275,8 +322,8 @@ UNTAKEN = {
 @needs_native
 @pytest.mark.parametrize("case", sorted(UNTAKEN))
 def test_what_the_kernel_does_not_compute_decodes_as_the_full_forward(case):
-    """A head_dim that is not a multiple of 4, query/key norms, partial rotary positions:
-    the native step computes none of them, the Python path all."""
+    """A head_dim that is not a multiple of 4, partial rotary positions: the native step
+    computes neither, the Python path both."""
     kwargs = dict(UNTAKEN[case])
     torch.manual_seed(0)
     m = MultiHeadAttention(16, kwargs.pop("d_out", 32), 48, 0.0, 4, num_kv_heads=2, **kwargs)
@@ -691,6 +738,15 @@ def test_torchs_own_code_is_told_from_anything_else():
     assert not plan._is_torchs(nn.Module._call_impl, "forward")  # module.py, not linear.py
 
 
+def _decodes_through_the_python_path_as_its_full_forward(m):
+    """m's cached steps, which the native step does not take, equal its full forward."""
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        cache = m.make_cache(1, 8)
+        assert plan.native_decode(m, x[:, :1], cache) is None
+        torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
+
+
 def test_rotary_embedding_patched_on_the_class_is_run_by_a_decode_step(monkeypatch):
     """RotaryEmbedding.forward patched on the class (any of its methods): the native step,
     which reads its tables, is not taken; the cached step equals the patched full forward."""
@@ -699,11 +755,52 @@ def test_rotary_embedding_patched_on_the_class_is_run_by_a_decode_step(monkeypat
     monkeypatch.setattr(
         RotaryEmbedding, "forward", lambda self, x, start=0: original(self, x, start) * 2.0
     )
-    x = torch.randn(1, 5, 16)
+    _decodes_through_the_python_path_as_its_full_forward(m)
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(set(NORM_REFUSED) - _NO_FORWARD))
+def test_a_norm_the_kernel_does_not_stand_for_decodes_through_its_own_call(case):
+    """Each norm the native step refuses: the cached steps equal the module's own full
+    forward (the norm called as it is: its hook, subclass, eps, offset, dtype)."""
+    m = NORM_REFUSED[case]()
+    _decodes_through_the_python_path_as_its_full_forward(m)
+
+
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(
+    st.sampled_from(["head", "projection"]),
+    st.sampled_from([0.0, 1.0]),
+    st.sampled_from([4, 2, 1]),
+    st.sampled_from(["q_norm", "k_norm"]),
+)
+def test_a_norm_weight_edited_between_steps_is_read_anew(mode, offset, kv_heads, name):
+    """Steps before and after an in-place edit of a norm's weight (and its eps) equal the
+    module's own Python path doing the same: the native step reads them on every call."""
+    m = build(3, rope=True, qk_norm=mode, qk_norm_offset=offset, num_kv_heads=kv_heads)
+    twin = python_twin(m)
+    x = torch.randn(2, 6, 16)
+    outputs = []
     with torch.no_grad():
-        cache = m.make_cache(1, 8)
-        assert plan.native_decode(m, x[:, :1], cache) is None
-        torch.testing.assert_close(decode(m, x, cache), m(x), rtol=1e-5, atol=1e-5)
+        for module in (m, twin):
+            cache = module.make_cache(2)
+            steps = [module(x[:, i : i + 1], cache=cache) for i in range(3)]
+            getattr(module, name).weight.mul_(-1.5)
+            module.q_norm.eps = module.k_norm.eps = 1e-2
+            steps += [module(x[:, i : i + 1], cache=cache) for i in range(3, 6)]
+            outputs.append(torch.cat(steps, dim=1))
+    assert plan.native_module(m) is not None
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_patched_on_the_class_is_run_by_a_decode_step(monkeypatch):
+    """RMSNorm.forward patched on the class: the native step, which computes the norm
+    itself, is not taken; the cached step equals the patched full forward."""
+    m = build(11, rope=True, qk_norm="head")
+    original = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: original(self, x) * 2.0)
+    _decodes_through_the_python_path_as_its_full_forward(m)
 
 
 class _CastingLinear(torch.overrides.TorchFunctionMode):

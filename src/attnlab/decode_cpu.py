@@ -79,6 +79,11 @@ class Weights(NamedTuple):
         out_bias: its bias (d_out,), or empty.
         cos: the rotary cosines (positions, head_dim), or empty without rotary positions.
         sin: the rotary sines, cos's shape, or empty.
+        q_norm: the query norm's weight, (head_dim,) per head or (d_out,) over the
+            projection, or empty without query/key norms.
+        k_norm: the key norm's weight, (head_dim,) or (kv_dim,), or empty.
+        norm_eps: the norms' eps (attnlab.norms.RMSNorm's), read only with norm weights.
+        norm_offset: what the norms add to their weights (1.0 for Gemma's 1 + weight).
     """
 
     qkv: torch.Tensor
@@ -87,6 +92,10 @@ class Weights(NamedTuple):
     out_bias: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    q_norm: torch.Tensor = EMPTY
+    k_norm: torch.Tensor = EMPTY
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
 
 
 def reads_buffer(buffer: torch.Tensor) -> bool:
@@ -143,7 +152,7 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
     try:
         y = _op()(
             x if x.is_contiguous() else x.contiguous(),  # (b, 1, d_in)
-            *weights,
+            *weights[:8],  # the tensors, qkv to k_norm
             cache.keys_t,
             cache.values_t,
             key_scales,
@@ -155,6 +164,8 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
             count,
             cache.block,
             scale,
+            weights.norm_eps,
+            weights.norm_offset,
         )
     except RuntimeError as error:  # the op's overflow is the caller's values
         if str(error).startswith(_OVERFLOW):

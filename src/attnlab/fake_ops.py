@@ -60,13 +60,13 @@ _DECODE_WRITES = ("keys_t", "values_t", "key_scales", "value_scales")
 
 
 def _decode_step(
-    x, w_qkv, b_qkv, w_out, b_out, cos, sin, keys_t, values_t, key_scales, value_scales,
-    heads, position, slot, first, count, block, scale,
+    x, w_qkv, b_qkv, w_out, b_out, cos, sin, q_norm, k_norm, keys_t, values_t, key_scales,
+    value_scales, heads, position, slot, first, count, block, scale, norm_eps, norm_offset,
 ):  # fmt: skip
     tensors = {
         "x": x, "w_qkv": w_qkv, "b_qkv": b_qkv, "w_out": w_out, "b_out": b_out, "cos": cos,
-        "sin": sin, "keys_t": keys_t, "values_t": values_t, "key_scales": key_scales,
-        "value_scales": value_scales,
+        "sin": sin, "q_norm": q_norm, "k_norm": k_norm, "keys_t": keys_t, "values_t": values_t,
+        "key_scales": key_scales, "value_scales": value_scales,
     }  # fmt: skip
     _check_device("decode_step", "x", tensors)
     inputs = [name for name in tensors if name not in _DECODE_WRITES]

@@ -4,22 +4,22 @@ how each projection runs.
 attnlab's fast paths stand beside the reference (the module's own Python path, which calls
 its submodules): the native decode step (decode_cpu: projections, rotary positions, cache
 append, attention and output projection in one C++ call) and the blocked small-row product
-(matvec). A fast path computes a layer without calling it, so it is taken only for a pristine state,
-stated positively and checked on every call (attribute reads and comparisons): each
-projection is exactly an `nn.Linear` of the expected shapes whose instance holds nothing a
-fresh `nn.Linear` does not (no instance `forward` or `__call__`, as accelerate's hooks and
-many adapters attach, no attribute of its own), whose `weight` and `bias` are registered
-`nn.Parameter`s, with no hook of any kind, local or global, forward or backward; the code
-they run torch's own as torch wrote it (nn.Linear's forward and call machinery, F.linear:
-no class-level patch, made before or after attnlab was imported); the rotary embedding is
-exactly attnlab's, in the same sense, with tables long enough; the module's own code (no
-subclass override of any method MultiHeadAttention defines, no instance or class-level
-patch); inputs, weights and tables plain tensors (no subclass, no lazily negated view); no
-torch function mode or dispatch mode active (op-level instrumentation, FlopCounter-like
-tools, quantisation and sharding frameworks, FakeTensorMode), no torch.func transform or
-forward-mode AD level; float32 on the CPU; no autocast, tracing or autograd recording.
-Anything else, whatever the user did to the module, takes the reference path, which calls
-the submodules as they are.
+(matvec). A fast path computes a layer without calling it, so it is taken only for a
+pristine state, stated positively and checked on every call (attribute reads and
+comparisons): each projection is exactly an `nn.Linear` of the expected shapes whose
+instance holds nothing a fresh `nn.Linear` does not (no instance `forward` or `__call__`, as
+accelerate's hooks and many adapters attach, no attribute of its own), whose `weight` and
+`bias` are registered `nn.Parameter`s, with no hook of any kind, local or global, forward or
+backward; the code they run torch's own as torch wrote it (nn.Linear's forward and call
+machinery, F.linear: no class-level patch, made before or after attnlab was imported); the
+rotary embedding and the query/key norms are exactly attnlab's, in the same sense, with
+tables long enough; the module's own code (no subclass override of any method
+MultiHeadAttention defines, no instance or class-level patch); inputs, weights and tables
+plain tensors (no subclass, no lazily negated view); no torch function mode or dispatch mode
+active (op-level instrumentation, FlopCounter-like tools, quantisation and sharding
+frameworks, FakeTensorMode), no torch.func transform or forward-mode AD level; float32 on
+the CPU; no autocast, tracing or autograd recording. Anything else, whatever the user did to
+the module, takes the reference path, which calls the submodules as they are.
 
 What the fast paths stand for is what the module calls (its layers and their code). The
 attention itself (scores, softmax, weighted values) is attnlab's own arithmetic: a patch of
@@ -45,6 +45,8 @@ from torch.nn.modules import module as _module
 
 from attnlab import debug, decode_cpu, matvec
 from attnlab.kv_cache import KVCache
+from attnlab.norms import RMSNorm
+from attnlab.norms import code_as_written as norm_code_as_written
 from attnlab.rope import RotaryEmbedding
 from attnlab.rope import code_as_written as rope_code_as_written
 
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 
 _LINEAR_TENSORS = frozenset({"weight", "bias"})
 _ROPE_TENSORS = frozenset({"cos", "sin"})
+_NORM_TENSORS = frozenset({"weight"})
 _GLOBAL_HOOKS = tuple(
     getattr(_module, f"_global{name}")
     for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -108,20 +111,25 @@ def no_active_modes() -> bool:
 @functools.cache
 def _fresh_state(module_class: type) -> frozenset[str]:
     """The instance attributes a freshly made module of `module_class` holds (nn.Linear,
-    attnlab's RotaryEmbedding): anything beyond them is the user's or a tool's."""
+    attnlab's RotaryEmbedding and RMSNorm): anything beyond them is the user's or a tool's."""
     # on meta: no random draw (the first forward's dropout stays what the seed gives)
-    fresh = nn.Linear(1, 1, device="meta") if module_class is nn.Linear else RotaryEmbedding(2, 1)
+    fresh = {
+        nn.Linear: lambda: nn.Linear(1, 1, device="meta"),
+        RotaryEmbedding: lambda: RotaryEmbedding(2, 1),
+        RMSNorm: lambda: RMSNorm(1, device="meta"),
+    }[module_class]()
     return frozenset(fresh.__dict__)
 
 
 @functools.cache
 def _fresh_attention_state() -> frozenset[str]:
-    """The instance attributes a fresh MultiHeadAttention holds, with and without rope."""
+    """The instance attributes a fresh MultiHeadAttention holds, with and without rope and
+    query/key norms."""
     from attnlab.attention import MultiHeadAttention  # attention imports this module
 
     plain, rotary = (
         MultiHeadAttention(4, 4, 4, 0.0, 1, device="meta"),  # meta: no random draw
-        MultiHeadAttention(4, 4, 4, 0.0, 1, rope=True, device="meta"),
+        MultiHeadAttention(4, 4, 4, 0.0, 1, rope=True, qk_norm="head", device="meta"),
     )
     return frozenset(plain.__dict__) | frozenset(rotary.__dict__)
 
@@ -250,16 +258,14 @@ def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int | None, int]) ->
 def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     """The tensors the native decode step reads (decode_cpu.Weights) when the module as it
     is now suits it, else None: backend "auto", causal, no dropout applied, a head_dim that
-    is a multiple of 4, its own steps and rotary embedding, and plain float32 CPU
-    projections of exactly its shapes, with no hooks."""
+    is a multiple of 4, its own steps, rotary embedding and query/key norms, and plain
+    float32 CPU projections of exactly its shapes, with no hooks."""
     state = module.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
     d_in, d_out = state["d_in"], state["d_out"]
     head_dim = d_out // state["num_heads"]  # the properties head_dim, kv_dim, fused
     if state["backend"] != "auto" or not state["causal"] or state["context_dim"] != d_in:
         return None
     if (state["training"] and state["dropout"] > 0) or head_dim % 4:
-        return None
-    if state["qk_norm"] is not None:  # the kernel computes no query/key norm
         return None
     if not type(module)._steps_as_written() or not state.keys() <= _fresh_attention_state():
         return None  # a subclass's step; the instance's own step or attribute (forward...)
@@ -277,7 +283,53 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     cos, sin = (none, none) if rope is None else _own_rope_tables(rope, head_dim)
     if cos is None:
         return None
-    return decode_cpu.Weights(qkv_weight, qkv_bias, out_weight, out_bias, cos, sin)
+    weights = decode_cpu.Weights(qkv_weight, qkv_bias, out_weight, out_bias, cos, sin)
+    if state["qk_norm"] is None:
+        return weights
+    per_head = state["qk_norm"] == "head"
+    return _with_own_norms(
+        weights,
+        layers.get("q_norm"),
+        layers.get("k_norm"),
+        head_dim if per_head else d_out,
+        head_dim if per_head else state["num_kv_heads"] * head_dim,
+    )
+
+
+def _with_own_norms(
+    weights: decode_cpu.Weights, q_norm: object, k_norm: object, q_dim: int, k_dim: int
+) -> decode_cpu.Weights | None:
+    """weights with the query and key norms' weights, eps and offset when both are
+    attnlab's own RMSNorm, pristine (_pristine), over q_dim and k_dim features, with one eps
+    and one offset between them and float32 contiguous CPU weights; else None."""
+    if not norm_code_as_written():
+        return None  # a class-level patch of its forward
+    q_weight, k_weight = _own_norm_weight(q_norm, q_dim), _own_norm_weight(k_norm, k_dim)
+    if q_weight is None or k_weight is None:
+        return None
+    eps, offset = q_norm.__dict__["eps"], q_norm.__dict__["offset"]
+    if (eps, offset) != (k_norm.__dict__["eps"], k_norm.__dict__["offset"]):
+        return None  # the kernel takes one eps and one offset for both
+    if type(eps) is not float or type(offset) is not float:
+        return None  # set to something else since construction checked them
+    return weights._replace(q_norm=q_weight, k_norm=k_weight, norm_eps=eps, norm_offset=offset)
+
+
+def _own_norm_weight(norm: object, dim: int) -> torch.Tensor | None:
+    """The weight of a pristine attnlab RMSNorm over `dim` features, a registered float32
+    contiguous CPU parameter of shape (dim,) (no subclass, no negated view); else None."""
+    if not _pristine(norm, RMSNorm, "_parameters", _NORM_TENSORS):
+        return None
+    weight = norm.__dict__["_parameters"]["weight"]
+    suits = (
+        type(weight) is nn.Parameter
+        and weight.shape == (dim,)
+        and weight.dtype is torch.float32
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and not weight.is_neg()
+    )
+    return weight if suits else None
 
 
 def _float32_linear(layer: object, shape: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:

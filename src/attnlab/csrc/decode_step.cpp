@@ -242,6 +242,21 @@ void rotate(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+// x <- RMSNorm(x) over n features as attnlab.norms.RMSNorm computes it: x / s over
+// sqrt(mean((x / s)^2) + eps / s^2), s = max(1, max |x|) (no square overflows), times
+// (offset + w).
+void rms_norm(float* x, int64_t n, const float* w, float eps, float offset) {
+  float s = 1.0f;
+  for (int64_t i = 0; i < n; ++i) s = std::max(s, std::abs(x[i]));
+  float squares = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] /= s;
+    squares += x[i] * x[i];
+  }
+  const float r = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps / (s * s));
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * r * (offset + w[i]);
+}
+
 // Where token t of a head's cache lives: its buffer holds `cap` tokens in blocks of `block`
 // tokens, each block (hd, length) row-major with length = min(block, cap - its first token),
 // so that the keys of a block of tokens are one contiguous stretch of memory. `offset` is
@@ -878,6 +893,9 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 //   w_out         float32, contiguous, (d_out, d_out), d_out >= 1
 //   b_out         empty or float32 contiguous (d_out,)
 //   cos, sin      both empty (no rotary positions) or both float32 contiguous (rows, hd)
+//   q_norm,       both empty (no query/key norm) or float32 contiguous: (hd,) each, every
+//   k_norm        head normalised (Qwen3, Gemma 3), or (d_out,) and (kv_heads * hd,), the
+//                 projections normalised whole (OLMo 2); before the rotation
 //   keys_t,       one dtype (float32, bfloat16 or int8), contiguous, each (b, kv_heads,
 //   values_t      hd * capacity): kv_heads >= 1 dividing heads, capacity >= 1 (written)
 //   key_scales,   an int8 cache's scales: float32 contiguous (b, kv_heads, capacity) each
@@ -893,6 +911,8 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 //   block         tokens per block of the cache's layout, >= 1 (the last block may hold
 //                 fewer; a block of more than the capacity is one block of the capacity)
 //   scale         the scores' scale, > 0 and finite in float32 (at most FLT_MAX; 1 / sqrt(hd))
+//   norm_eps,     the query/key norms' eps (> 0, finite in float32) and the offset added to
+//   norm_offset   their weights (finite; 1 for Gemma's 1 + weight); read only with norms
 // Every tensor is on x's device, the empty ones included; the tensors the op writes (keys_t,
 // values_t, key_scales, value_scales) share no memory with each other or with any input
 // (the inputs may share memory with each other: they are only read).
@@ -903,14 +923,16 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 // else: attnlab.decode_cpu then leaves the step to the Python path, which computes in float64.
 at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::Tensor& b_qkv,
                        const at::Tensor& w_out, const at::Tensor& b_out, const at::Tensor& cos,
-                       const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
+                       const at::Tensor& sin, const at::Tensor& q_norm,
+                       const at::Tensor& k_norm, at::Tensor keys_t, at::Tensor values_t,
                        at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
                        int64_t position, int64_t slot, int64_t first, int64_t count,
-                       int64_t block, double scale) {
+                       int64_t block, double scale, double norm_eps, double norm_offset) {
   const std::pair<const at::Tensor*, const char*> others[] = {
       {&w_qkv, "w_qkv"}, {&b_qkv, "b_qkv"}, {&w_out, "w_out"}, {&b_out, "b_out"},
-      {&cos, "cos"},     {&sin, "sin"},     {&keys_t, "keys_t"}, {&values_t, "values_t"},
-      {&key_scales, "key_scales"}, {&value_scales, "value_scales"}};
+      {&cos, "cos"},     {&sin, "sin"},     {&q_norm, "q_norm"}, {&k_norm, "k_norm"},
+      {&keys_t, "keys_t"}, {&values_t, "values_t"}, {&key_scales, "key_scales"},
+      {&value_scales, "value_scales"}};
   for (const auto& [t, name] : others) check_device(*t, name, x);
   check_float(x, "x");
   TORCH_CHECK((x.dim() == 3 && x.size(1) == 1) || x.dim() == 2,
@@ -983,13 +1005,36 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
               "decode_step: scale (", scale, ") must be > 0 and finite in float32, the dtype the "
               "kernel computes in (at most ", std::numeric_limits<float>::max(), ")");
+  // query/key norms: both or neither; per head (hd each) or over the projections (d_out
+  // for the queries, kv_heads * hd for the keys)
+  TORCH_CHECK(q_norm.defined() && k_norm.defined(), "decode_step: q_norm and k_norm must be "
+              "defined (empty for no query/key norm)");
+  const bool normed = q_norm.numel() > 0;
+  TORCH_CHECK(normed == (k_norm.numel() > 0), "decode_step: q_norm (", q_norm.numel(),
+              " elements) and k_norm (", k_norm.numel(), ") come together: both or neither");
+  const bool norm_per_head = normed && q_norm.numel() == hd;
+  if (normed) {
+    check_float(q_norm, "q_norm");
+    check_float(k_norm, "k_norm");
+    TORCH_CHECK(q_norm.dim() == 1 && (q_norm.numel() == hd || q_norm.numel() == d_out),
+                "decode_step: q_norm must be (hd ", hd, ",) per head or (d_out ", d_out,
+                ",) over the projection, got shape ", q_norm.sizes());
+    check_shape(k_norm, "k_norm", {norm_per_head ? hd : kv_heads * hd});
+    TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0 &&
+                    norm_eps <= std::numeric_limits<float>::max(),
+                "decode_step: norm_eps (", norm_eps, ") must be > 0 and finite in float32");
+    TORCH_CHECK(std::isfinite(norm_offset) &&
+                    std::abs(norm_offset) <= std::numeric_limits<float>::max(),
+                "decode_step: norm_offset (", norm_offset, ") must be finite in float32");
+  }
   // the written buffers against each other and every input, before anything is written
   const std::pair<const at::Tensor*, const char*> written[] = {
       {&keys_t, "keys_t"}, {&values_t, "values_t"}, {&key_scales, "key_scales"},
       {&value_scales, "value_scales"}};
   const std::pair<const at::Tensor*, const char*> inputs[] = {
       {&x, "x"},         {&w_qkv, "w_qkv"}, {&b_qkv, "b_qkv"}, {&w_out, "w_out"},
-      {&b_out, "b_out"}, {&cos, "cos"},     {&sin, "sin"}};
+      {&b_out, "b_out"}, {&cos, "cos"},     {&sin, "sin"},     {&q_norm, "q_norm"},
+      {&k_norm, "k_norm"}};
   for (size_t i = 0; i < std::size(written); ++i) {
     for (size_t j = i + 1; j < std::size(written); ++j) {
       check_apart(*written[i].first, written[i].second, *written[j].first, written[j].second);
@@ -1019,6 +1064,23 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   float* attn = partial + partial_floats;       // (b, d_out): the heads' outputs, merged
   project(x.data_ptr<float>(), batch, d_in, w_qkv.data_ptr<float>(),
           b_qkv.numel() ? b_qkv.data_ptr<float>() : nullptr, d_qkv, q);
+  if (normed) {  // each head's (or the whole projection's) queries and keys, before rotation
+    const float* qw = q_norm.data_ptr<float>();
+    const float* kw = k_norm.data_ptr<float>();
+    const float eps = static_cast<float>(norm_eps), offset = static_cast<float>(norm_offset);
+    for (int64_t b = 0; b < batch; ++b) {
+      float* row = q + b * d_qkv;  // (heads * hd queries, kv_heads * hd keys, values)
+      if (norm_per_head) {
+        for (int64_t h = 0; h < heads; ++h) rms_norm(row + h * hd, hd, qw, eps, offset);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          rms_norm(row + d_out + h * hd, hd, kw, eps, offset);
+        }
+      } else {
+        rms_norm(row, d_out, qw, eps, offset);
+        rms_norm(row + d_out, kv_heads * hd, kw, eps, offset);
+      }
+    }
+  }
   if (cos.numel()) {
     const float* c = cos.data_ptr<float>() + position * hd;
     const float* s = sin.data_ptr<float>() + position * hd;
@@ -1060,14 +1122,15 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
 TORCH_LIBRARY(attnlab_decode, m) {
   m.def(
       "decode_step(Tensor x, Tensor w_qkv, Tensor b_qkv, Tensor w_out, Tensor b_out, "
-      "Tensor cos, Tensor sin, Tensor(a!) keys_t, Tensor(b!) values_t, Tensor(c!) key_scales, "
-      "Tensor(d!) value_scales, int heads, int position, int slot, int first, int count, "
-      "int block, float scale) -> Tensor");
+      "Tensor cos, Tensor sin, Tensor q_norm, Tensor k_norm, Tensor(a!) keys_t, "
+      "Tensor(b!) values_t, Tensor(c!) key_scales, Tensor(d!) value_scales, int heads, "
+      "int position, int slot, int first, int count, int block, float scale, float norm_eps, "
+      "float norm_offset) -> Tensor");
   m.impl("decode_step", c10::DispatchKey::CPU, TORCH_FN(decode_step));
 }
 
 // The same op bound directly for Python (attnlab.decode_cpu calls this face in eager mode):
-// a call through torch.ops parses its 18 arguments against the schema (~2.5 us, as much as
+// a call through torch.ops parses its 22 arguments against the schema (~2.5 us, as much as
 // a tiny layer's whole step); pybind11 converts them in ~0.4 us. The checks are the op's
 // own; the cache buffers' version counters are bumped as the dispatcher does for Tensor(a!)
 // arguments, so that autograd still sees them written; errors carry the message without
@@ -1081,13 +1144,16 @@ void bump_version(const at::Tensor& written) {
 at::Tensor decode_step_direct(const at::Tensor& x, const at::Tensor& w_qkv,
                               const at::Tensor& b_qkv, const at::Tensor& w_out,
                               const at::Tensor& b_out, const at::Tensor& cos,
-                              const at::Tensor& sin, at::Tensor keys_t, at::Tensor values_t,
+                              const at::Tensor& sin, const at::Tensor& q_norm,
+                              const at::Tensor& k_norm, at::Tensor keys_t, at::Tensor values_t,
                               at::Tensor key_scales, at::Tensor value_scales, int64_t heads,
                               int64_t position, int64_t slot, int64_t first, int64_t count,
-                              int64_t block, double scale) {
+                              int64_t block, double scale, double norm_eps,
+                              double norm_offset) {
   try {
-    auto out = decode_step(x, w_qkv, b_qkv, w_out, b_out, cos, sin, keys_t, values_t, key_scales,
-                           value_scales, heads, position, slot, first, count, block, scale);
+    auto out = decode_step(x, w_qkv, b_qkv, w_out, b_out, cos, sin, q_norm, k_norm, keys_t,
+                           values_t, key_scales, value_scales, heads, position, slot, first,
+                           count, block, scale, norm_eps, norm_offset);
     if (out.numel()) {
       for (const auto* written : {&keys_t, &values_t, &key_scales, &value_scales}) {
         bump_version(*written);
@@ -1104,8 +1170,9 @@ at::Tensor decode_step_direct(const at::Tensor& x, const at::Tensor& w_qkv,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step_direct, "attnlab_decode::decode_step, bound directly",
         py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_out"), py::arg("b_out"),
-        py::arg("cos"), py::arg("sin"), py::arg("keys_t"), py::arg("values_t"),
-        py::arg("key_scales"), py::arg("value_scales"), py::arg("heads"), py::arg("position"),
-        py::arg("slot"), py::arg("first"), py::arg("count"), py::arg("block"), py::arg("scale"),
+        py::arg("cos"), py::arg("sin"), py::arg("q_norm"), py::arg("k_norm"), py::arg("keys_t"),
+        py::arg("values_t"), py::arg("key_scales"), py::arg("value_scales"), py::arg("heads"),
+        py::arg("position"), py::arg("slot"), py::arg("first"), py::arg("count"),
+        py::arg("block"), py::arg("scale"), py::arg("norm_eps"), py::arg("norm_offset"),
         py::call_guard<py::gil_scoped_release>());
 }
