@@ -99,9 +99,8 @@ def reads_values(t: torch.Tensor) -> bool:
     Returns:
         True when the check runs.
     """
-    if torch.compiler.is_compiling() or under_transform():
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the switch's read
         return False
-    switch = enabled()
-    if switch is not None:
-        return switch and t.device.type != "meta"
-    return t.is_cpu
+    switch = enabled()  # then: on a GPU by default the answer needs nothing else
+    would_read = t.is_cpu if switch is None else switch and t.device.type != "meta"
+    return would_read and not under_transform()

@@ -36,12 +36,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (p, m, out/p) -> (..., out)
 
 
+def few_rows(x: torch.Tensor) -> bool:
+    """True when x (..., in) is few enough rows on the CPU for linear to be the faster."""
+    return x.is_cpu and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= _MAX_ROWS
+
+
 def helps(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when linear is faster than F.linear for x: few rows on the CPU, a weight whose
-    rows split into the blocks."""
-    return (
-        x.is_cpu
-        and x.shape[-1] > 0
-        and x.numel() // x.shape[-1] <= _MAX_ROWS
-        and weight.shape[0] % _BLOCKS == 0
-    )
+    """True when linear is faster than F.linear for x: few rows on the CPU (few_rows), a
+    weight whose rows split into the blocks."""
+    return few_rows(x) and weight.shape[0] % _BLOCKS == 0

@@ -211,6 +211,8 @@ def check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
     """
     if torch.compiler.is_compiling():  # a mismatch fails the trace itself
         return
+    if _in_dtype_and_device_of(layer, x):  # first: the usual case, nothing to name
+        return
     if not pristine_linear(layer) or not no_active_modes():
         return
     for part in ("weight", "bias"):
@@ -229,13 +231,32 @@ def check_projection_dtype(name: str, layer: object, x: torch.Tensor) -> None:
             )
 
 
+def _in_dtype_and_device_of(layer: object, x: torch.Tensor) -> bool:
+    """True when `layer` is exactly an nn.Linear whose registered weight and bias (read from
+    its parameter dict: no property or parametrization runs) are nn.Parameters in x's dtype
+    and on its device: then check_projection_dtype has nothing to raise, pristine or not."""
+    if type(layer) is not nn.Linear:
+        return False
+    parameters = layer.__dict__.get("_parameters", {})
+    weight, bias = parameters.get("weight"), parameters.get("bias")
+    dtype, device = x.dtype, x.device
+    for tensor in (weight,) if bias is None else (weight, bias):
+        if type(tensor) is not nn.Parameter or tensor.dtype != dtype or tensor.device != device:
+            return False
+    return True
+
+
 def blocked_projection(x: torch.Tensor, layer: object, shape: tuple[int | None, int]) -> bool:
     """Whether matvec.linear may compute `layer(x)` for x (..., in): a plain nn.Linear of
     `shape`, no global hooks, and matvec faster for x's rows (outside compilation, which
     fuses the projection itself and must not see the row count as a guard)."""
-    if torch.compiler.is_compiling() or not plain_linear(layer, shape) or not no_global_hooks():
+    if torch.compiler.is_compiling():  # before any test of the rows: it would be a guard
         return False
-    return type(x) is torch.Tensor and no_active_modes() and matvec.helps(x, layer.weight)
+    if type(x) is not torch.Tensor or not matvec.few_rows(x):  # then: a GPU's x, a prompt's
+        return False
+    if not plain_linear(layer, shape) or not no_global_hooks():
+        return False
+    return no_active_modes() and matvec.helps(x, layer.weight)
 
 
 def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int | None, int]) -> torch.Tensor:
