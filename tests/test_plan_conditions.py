@@ -148,6 +148,8 @@ NORM_REFUSED = {
     "k_norm weight a buffer": lambda: _norm_weight_as_buffer(build(qk_norm="projection")),
     "q_norm with a forward hook": lambda: _hooked(build(qk_norm="head")),
     "k_norm with an instance forward": lambda: _norm_changed("k_norm", forward=lambda x: x),
+    "both eps a tensor": lambda: _norms_share(eps=torch.tensor(1e-3)),
+    "both offsets a tensor": lambda: _norms_share(offset=torch.tensor(1.0)),
 }
 _NO_FORWARD = {"k_norm on meta", "q_norm over the projection's width"}  # the door's errors
 
@@ -188,6 +190,14 @@ def _norm_changed(name, **attributes):
     """A module with per-head norms whose `name` norm has each attribute set."""
     m = build(qk_norm="head")
     _changed(getattr(m, name), **attributes)
+    return m
+
+
+def _norms_share(**attributes):
+    """A module with per-head norms both of which hold each attribute (one object)."""
+    m = build(qk_norm="head")
+    _changed(m.q_norm, **attributes)
+    _changed(m.k_norm, **attributes)
     return m
 
 
