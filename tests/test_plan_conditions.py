@@ -149,6 +149,9 @@ NORM_REFUSED = {
     "q_norm with a forward hook": lambda: _hooked(build(qk_norm="head")),
     "k_norm with an instance forward": lambda: _norm_changed("k_norm", forward=lambda x: x),
     "both eps a tensor": lambda: _norms_share(eps=torch.tensor(1e-3)),
+    "q_norm weight a negated view": lambda: _norm_weight("q_norm", lambda w: torch._neg_view(-w)),
+    "k_norm weight strided": lambda: _norm_weight("k_norm", lambda w: _non_contiguous(w)),
+    "q_norm weight a subclass": lambda: _norm_weight("q_norm", lambda w: _DoubledTo(w)),
     "both offsets a tensor": lambda: _norms_share(offset=torch.tensor(1.0)),
 }
 _NO_FORWARD = {"k_norm on meta", "q_norm over the projection's width"}  # the door's errors
@@ -190,6 +193,24 @@ def _norm_changed(name, **attributes):
     """A module with per-head norms whose `name` norm has each attribute set."""
     m = build(qk_norm="head")
     _changed(getattr(m, name), **attributes)
+    return m
+
+
+class _DoubledTo(nn.Parameter):
+    """A parameter subclass whose .to() doubles (its own computation, as a quantised
+    weight's): RMSNorm reads its weight through .to(), the kernel its memory."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.Tensor.to else out
+
+
+def _norm_weight(name, held):
+    """A module with per-head norms whose `name` weight is held(weight) as a Parameter."""
+    m = build(qk_norm="head")
+    weight = held(torch.randn(8) + 1.0)
+    getattr(m, name).weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
     return m
 
 
