@@ -529,3 +529,23 @@ def test_a_scale_not_finite_in_float32_is_refused_on_load(tmp_path):
     _rewrite(path, config={"scale": 1e39})
     with pytest.raises(ValueError, match=r"scale \(1e\+39\) is not finite in torch\.float32"):
         attnlab.load(path)
+
+
+def test_a_norms_eps_edited_after_construction_is_saved(tmp_path):
+    """The config takes the norms' eps and offset as they are now: an edit of both comes
+    back (it was the constructor's, 0.19 off after a reload); two that differ, which the
+    config cannot hold, are a ValueError naming both, with no file written."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 32, 8, 0.0, 4, qk_norm="head").eval()
+    m.q_norm.eps = m.k_norm.eps = 0.3
+    path = tmp_path / "edited.safetensors"
+    attnlab.save(m, path)
+    loaded = attnlab.load(path).eval()
+    assert (loaded.q_norm.eps, loaded.k_norm.eps) == (0.3, 0.3)
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), m(x), rtol=0, atol=0)
+    m.k_norm.eps = 0.1
+    with pytest.raises(ValueError, match=r"q_norm \(eps 0.3, offset 0.0\) and k_norm \(eps 0.1"):
+        attnlab.save(m, tmp_path / "differing.safetensors")
+    assert not (tmp_path / "differing.safetensors").exists()

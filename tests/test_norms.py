@@ -62,3 +62,31 @@ def test_float64_rows_normalise_in_float64_past_float32():
     x = torch.tensor([[1e39, 2e39, -1e39, 3e39], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
     expected = definition(x, norm.weight.detach(), norm.eps, 0.0)
     torch.testing.assert_close(norm(x), expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("eps", [1e-50, 1e-45, 1e-39])
+def test_an_eps_below_float32s_smallest_normal_keeps_a_zero_row_zero(eps):
+    """An eps that float32 rounds to 0 or a subnormal counts as float32's smallest normal
+    value: a row of zeros stays zeros (it gave 0 / 0, NaN), other rows as the formula."""
+    norm = RMSNorm(8, eps=eps)
+    x = torch.zeros(2, 8)
+    x[1] = torch.arange(8.0) - 3.5
+    y = norm(x)
+    assert torch.equal(y[0], torch.zeros(8))
+    want = x[1].double() / x[1].double().pow(2).mean().sqrt()
+    torch.testing.assert_close(y[1].double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_module_with_a_tiny_eps_decodes_a_zero_token_natively_as_its_forward():
+    """The native decode step counts such an eps the same way (tests/test_decode_cpu.py
+    compares the paths otherwise)."""
+    from attnlab import MultiHeadAttention
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 32, 16, 0.0, 4, rope=True, qk_norm="head", qk_norm_eps=1e-50)
+    x = torch.randn(1, 6, 16)
+    x[0, 3] = 0.0  # no bias: its queries and keys are zero rows
+    with torch.no_grad():
+        cache = m.make_cache(1)
+        steps = torch.cat([m(x[:, i : i + 1], cache=cache) for i in range(6)], dim=1)
+        torch.testing.assert_close(steps, m(x), rtol=1e-5, atol=1e-5)

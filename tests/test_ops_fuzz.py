@@ -195,7 +195,13 @@ DECODE_CASES = [
     ("b_qkv_float64", "b_qkv", lambda a: {"b_qkv": a["b_qkv"].double()}),
     ("b_qkv_non_contiguous", "b_qkv", lambda a: {"b_qkv": _every_other((D_QKV,))}),
     # w_out
-    ("w_out_not_square", "w_out", lambda a: {"w_out": torch.randn(D_OUT, D_OUT + 1)}),
+    ("w_out_columns_not_heads_x_hd", "w_out", lambda a: {"w_out": torch.randn(D_OUT, D_OUT + 1)}),
+    ("w_out_no_rows", "w_out", lambda a: {"w_out": torch.randn(0, D_OUT)}),
+    (
+        "b_out_of_d_out_for_a_wider_w_out",
+        "b_out",
+        lambda a: {"w_out": torch.randn(D_OUT + 4, D_OUT)},
+    ),
     ("w_out_rank_3", "w_out", lambda a: {"w_out": torch.randn(1, D_OUT, D_OUT)}),
     ("w_out_empty", "w_out", lambda a: {"w_out": torch.randn(0, 0)}),
     ("w_out_float64", "w_out", lambda a: {"w_out": a["w_out"].double()}),

@@ -232,7 +232,9 @@ def test_the_plan_takes_the_native_step_only_for_the_module_as_built():
         handle.remove()
         with torch.autocast("cpu", torch.bfloat16):
             assert plan.native_decode(m, x, cache) is None
-        m.out_proj = nn.Linear(32, 16)
+        m.out_proj = nn.Linear(32, 16)  # another width: the kernel takes any
+        assert plan.native_decode(m, x, cache) is not None
+        m.out_proj = nn.Linear(16, 32)  # not the heads' width (d_out): the door's error
         assert plan.native_decode(m, x, cache) is None
 
 

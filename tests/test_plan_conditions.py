@@ -149,12 +149,16 @@ NORM_REFUSED = {
     "q_norm with a forward hook": lambda: _hooked(build(qk_norm="head")),
     "k_norm with an instance forward": lambda: _norm_changed("k_norm", forward=lambda x: x),
     "both eps a tensor": lambda: _norms_share(eps=torch.tensor(1e-3)),
+    "both eps past float32": lambda: _norms_share(eps=1e39),
+    "both offsets past float32": lambda: _norms_share(offset=-1e39),
     "q_norm weight a negated view": lambda: _norm_weight("q_norm", lambda w: torch._neg_view(-w)),
     "k_norm weight strided": lambda: _norm_weight("k_norm", lambda w: _non_contiguous(w)),
     "q_norm weight a subclass": lambda: _norm_weight("q_norm", lambda w: _DoubledTo(w)),
     "both offsets a tensor": lambda: _norms_share(offset=torch.tensor(1.0)),
 }
-_NO_FORWARD = {"k_norm on meta", "q_norm over the projection's width"}  # the door's errors
+# the door's errors, and an offset past float32, whose product overflows on the Python path
+# (its ValueError)
+_NO_FORWARD = {"k_norm on meta", "q_norm over the projection's width", "both offsets past float32"}
 
 
 # each a module violating one condition the native step states (built in the test)
@@ -405,6 +409,25 @@ def test_an_output_projection_elsewhere_is_the_doors_named_error_when_decoding(c
         with pytest.raises(error, match=match):
             m(torch.randn(1, 1, 16), cache=cache)
     assert cache.position == 0
+
+
+@needs_native
+@pytest.mark.parametrize("width", [16, 48])
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_output_projection_of_another_width_decodes_natively(width, bias):
+    """An out_proj narrower or wider than the heads (Qwen3's and Gemma 3's heads are not the
+    model's width): the native step is taken and equals the Python path and the full
+    forward."""
+    m = build(7, rope=True, qk_norm="head")
+    m.out_proj = nn.Linear(32, width, bias=bias)
+    twin = python_twin(m)
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        assert plan.native_decode(m, x[:, :1], m.make_cache(2)) is not None
+        steps = decode(m, x)
+        assert steps.shape == (2, 6, width)
+        torch.testing.assert_close(steps, decode(twin, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(steps, m(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bias", ["float64", "meta"])

@@ -233,7 +233,12 @@ class MultiHeadAttention(nn.Module):
 
         A module sharded by tensor_parallel holds num_heads / shards heads (its num_heads,
         num_kv_heads and d_out attributes are this rank's share); config still describes
-        the whole module, and `shards` says how many ranks share it.
+        the whole module, and `shards` says how many ranks share it. qk_norm_eps and
+        qk_norm_offset are what the query/key norms hold now (an edit of theirs is kept).
+
+        Raises:
+            ValueError: the query and key norms hold different eps or offsets, which one
+                config cannot describe.
         """
         return {
             "d_in": self.d_in,
@@ -252,10 +257,23 @@ class MultiHeadAttention(nn.Module):
             "rope_scaling": self.rope_scaling,
             "rotary_dim": self.rotary_dim,
             "qk_norm": self.qk_norm,
-            "qk_norm_eps": self.qk_norm_eps,
-            "qk_norm_offset": self.qk_norm_offset,
+            **self._norm_constants(),
             "scale": self.scale,
         }
+
+    def _norm_constants(self) -> dict:
+        """qk_norm_eps and qk_norm_offset as the norms hold them now (an edit of a norm's
+        eps is part of the module), or as constructed where the norms are not attnlab's."""
+        norms = [self._modules.get(name) for name in ("q_norm", "k_norm")]
+        if not all(isinstance(norm, RMSNorm) for norm in norms):
+            return {"qk_norm_eps": self.qk_norm_eps, "qk_norm_offset": self.qk_norm_offset}
+        (q_eps, q_offset), (k_eps, k_offset) = ((n.eps, n.offset) for n in norms)
+        if (q_eps, q_offset) != (k_eps, k_offset):
+            raise ValueError(
+                f"q_norm (eps {q_eps}, offset {q_offset}) and k_norm (eps {k_eps}, offset "
+                f"{k_offset}) differ: the config holds one eps and one offset for both"
+            )
+        return {"qk_norm_eps": q_eps, "qk_norm_offset": q_offset}
 
     def extra_repr(self) -> str:
         return (

@@ -13,8 +13,8 @@ about 15 s, once per environment, or ahead of time by `attnlab build`); where it
 built attnlab warns once and decodes with the Python path, which stays the reference it is
 tested against. ATTNLAB_NO_EXTENSION=1 turns it off.
 
-Shapes: x (b, 1, d_in) -> (b, 1, d_out); the cache's buffers (b, hkv, hd * capacity), in
-blocks of cache.block tokens (KVCache.keys_t).
+Shapes: x (b, 1, d_in) -> (b, 1, width), the output projection's; the cache's buffers (b,
+hkv, hd * capacity), in blocks of cache.block tokens (KVCache.keys_t).
 
 attnlab.plan decides when a call takes this step (after forward's checks, by an allow-list);
 this module is the kernel's Python face only: it knows tensors and a KVCache, not the module.
@@ -75,8 +75,8 @@ class Weights(NamedTuple):
         qkv: the fused projection's weight (d_out + 2 kv_dim, d_in), rows in query, key,
             value order.
         qkv_bias: its bias (d_out + 2 kv_dim,), or an empty tensor for none.
-        out: the output projection's weight (d_out, d_out).
-        out_bias: its bias (d_out,), or empty.
+        out: the output projection's weight (width, d_out), any width.
+        out_bias: its bias (width,), or empty.
         cos: the rotary cosines (positions, head_dim), or empty without rotary positions.
         sin: the rotary sines, cos's shape, or empty.
         q_norm: the query norm's weight, (head_dim,) per head or (d_out,) over the
@@ -113,7 +113,7 @@ def step(
     window: int | None,
 ) -> torch.Tensor | None:
     """One token per sequence through a layer at the cache's position: appends its keys and
-    values and returns the output (b, 1, d_out), or None, with nothing written, when x holds
+    values and returns the output (b, 1, width), or None, with nothing written, when x holds
     a NaN or an infinity or the step's float32 arithmetic overflowed (a projection, or a
     score or a partial sum of one, past 3.4e38: the caller's Python path then computes the
     step, exactly, or names the overflow). A rolling cache's write, which overwrites a held
@@ -174,7 +174,7 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
     if not y.numel():
         return None
     cache.position = start + 1
-    return y  # (b, 1, d_out)
+    return y  # (b, 1, width)
 
 
 _OVERFLOW = "decode_step: the output is not finite"

@@ -11,7 +11,7 @@ refuses tensors on different devices (empty ones included), and the decode step 
 buffers it writes that share memory with another argument, with the real op's words (a
 RuntimeError naming the arguments).
 
-Shapes: decode_step x (b, 1, d_in) or (b, d_in), w_out (d_out, d_out) -> (b, 1, d_out)
+Shapes: decode_step x (b, 1, d_in) or (b, d_in), w_out (width, d_out) -> (b, 1, width)
 float32 (the real op returns an empty tensor instead when x holds a NaN or an infinity; the
 fake gives the normal shape); causal_flash_forward q (b, hq, tq, d) -> [out (b, hq, tq, d)
 stored (b, tq, hq, d), lse (b, hq, tq)], float32; causal_flash_backward grad_out, q (b, hq,
@@ -77,7 +77,7 @@ def _decode_step(
                     f"decode_step: {written} and {other} overlap in memory: the op writes "
                     f"{written}, which may share no memory with another argument"
                 )
-    return x.new_empty((x.shape[0], 1, w_out.shape[0]), dtype=torch.float32)  # (b, 1, d_out)
+    return x.new_empty((x.shape[0], 1, w_out.shape[0]), dtype=torch.float32)  # (b, 1, width)
 
 
 def _causal_flash_forward(

@@ -65,7 +65,10 @@ class RMSNorm(nn.Module):
         # float32, which made the row zeros), and rows within 1 compute as written above
         s = wide.abs().amax(-1, keepdim=True).clamp(min=1.0)  # (..., 1)
         unit = wide / s
-        normed = unit * torch.rsqrt(unit.pow(2).mean(-1, keepdim=True) + self.eps / (s * s))
+        # an eps below the dtype's smallest normal value counts as that value: it would
+        # round to 0, and a row of zeros would give 0 / 0
+        eps = max(self.eps, torch.finfo(wide.dtype).tiny)
+        normed = unit * torch.rsqrt(unit.pow(2).mean(-1, keepdim=True) + eps / (s * s))
         return (normed * (self.offset + self.weight.to(wide.dtype))).to(x.dtype)
 
 

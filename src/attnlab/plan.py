@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 _LINEAR_TENSORS = frozenset({"weight", "bias"})
 _ROPE_TENSORS = frozenset({"cos", "sin"})
 _NORM_TENSORS = frozenset({"weight"})
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 _GLOBAL_HOOKS = tuple(
     getattr(_module, f"_global{name}")
     for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -296,7 +297,7 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     qkv_weight, qkv_bias = _float32_linear(
         layers.get("qkv_proj"), (d_out + 2 * state["num_kv_heads"] * head_dim, d_in)
     )
-    out_weight, out_bias = _float32_linear(layers.get("out_proj"), (d_out, d_out))
+    out_weight, out_bias = _float32_linear(layers.get("out_proj"), (None, d_out))  # any width
     if qkv_weight is None or out_weight is None:
         return None
     rope = layers.get("rope")
@@ -322,7 +323,8 @@ def _with_own_norms(
 ) -> decode_cpu.Weights | None:
     """weights with the query and key norms' weights, eps and offset when both are
     attnlab's own RMSNorm, pristine (_pristine), over q_dim and k_dim features, with one eps
-    and one offset between them and float32 contiguous CPU weights; else None."""
+    and one offset between them (floats within float32's range) and float32 contiguous CPU
+    weights; else None."""
     if not norm_code_as_written():
         return None  # a class-level patch of its forward
     q_weight, k_weight = _own_norm_weight(q_norm, q_dim), _own_norm_weight(k_norm, k_dim)
@@ -333,6 +335,8 @@ def _with_own_norms(
         return None  # the kernel takes one eps and one offset for both
     if type(eps) is not float or type(offset) is not float:
         return None  # set to something else since construction checked them
+    if eps > _FLOAT32_MAX or abs(offset) > _FLOAT32_MAX:
+        return None  # past what the kernel's float32 holds: the Python path computes it
     return weights._replace(q_norm=q_weight, k_norm=k_weight, norm_eps=eps, norm_offset=offset)
 
 
@@ -353,7 +357,9 @@ def _own_norm_weight(norm: object, dim: int) -> torch.Tensor | None:
     return weight if suits else None
 
 
-def _float32_linear(layer: object, shape: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:
+def _float32_linear(
+    layer: object, shape: tuple[int | None, int]
+) -> tuple[torch.Tensor | None, ...]:
     """A plain_linear's weight and bias (empty for none) when both are float32 on the CPU,
     else (None, None); nn.Linear's code is the caller's to check (once per call)."""
     tensors = _plain_tensors(layer, shape)

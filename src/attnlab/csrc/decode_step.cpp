@@ -11,7 +11,7 @@
 // sums are merged afterwards (split-K, as flash decoding does).
 //
 // Layouts (the Python side makes its inputs conform): x (b, 1, d_in) or (b, d_in); w_qkv
-// (d_out + 2 kv_dim, d_in) with rows in query, key, value order; w_out (d_out, d_out);
+// (d_out + 2 kv_dim, d_in) with rows in query, key, value order; w_out (width, d_out);
 // biases (out,) or empty; cos/sin (positions, hd) or empty; keys_t/values_t (b, hkv,
 // hd * capacity): each head's tokens in blocks of `block` tokens, a block (hd, its tokens)
 // row-major (Segment), so that a block's keys are one contiguous read; key_scales/
@@ -890,8 +890,10 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 //   w_qkv         float32, contiguous, (d_qkv, d_in), d_qkv = d_out + 2 * kv_heads * hd: the
 //                 fused projection's rows, queries then keys then values
 //   b_qkv         empty (no bias) or float32 contiguous (d_qkv,)
-//   w_out         float32, contiguous, (d_out, d_out), d_out >= 1
-//   b_out         empty or float32 contiguous (d_out,)
+//   w_out         float32, contiguous, (width, d_out), width >= 1, d_out >= 1: the output
+//                 projection, any width (square in the book's layer; Qwen3's and Gemma 3's
+//                 heads are wider or narrower than the model)
+//   b_out         empty or float32 contiguous (width,)
 //   cos, sin      both empty (no rotary positions) or both float32 contiguous (rows, hd)
 //   q_norm,       both empty (no query/key norm) or float32 contiguous: (hd,) each, every
 //   k_norm        head normalised (Qwen3, Gemma 3), or (d_out,) and (kv_heads * hd,), the
@@ -916,7 +918,7 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 // Every tensor is on x's device, the empty ones included; the tensors the op writes (keys_t,
 // values_t, key_scales, value_scales) share no memory with each other or with any input
 // (the inputs may share memory with each other: they are only read).
-// Returns the layer's output (b, 1, d_out); an empty tensor, with nothing written, when x holds
+// Returns the layer's output (b, 1, width); an empty tensor, with nothing written, when x holds
 // a NaN or an infinity (the caller's own path then raises its error). A finite x whose float32
 // arithmetic overflows (a projection, a score, or a partial sum of one that makes it -inf) is
 // a RuntimeError "decode_step: the output is not finite ..." with the slot written and nothing
@@ -941,12 +943,12 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   TORCH_CHECK(batch >= 1 && d_in >= 1, "decode_step: x of shape ", x.sizes(),
               " must hold b >= 1 rows of d_in >= 1 features");
   check_float(w_out, "w_out");
-  TORCH_CHECK(w_out.dim() == 2 && w_out.size(0) >= 1 && w_out.size(1) == w_out.size(0),
-              "decode_step: w_out must be (d_out, d_out) with d_out >= 1, got shape ",
-              w_out.sizes());
-  const int64_t d_out = w_out.size(0);
+  TORCH_CHECK(w_out.dim() == 2 && w_out.size(0) >= 1 && w_out.size(1) >= 1,
+              "decode_step: w_out must be (width, d_out) with width >= 1 and d_out >= 1, got "
+              "shape ", w_out.sizes());
+  const int64_t d_out = w_out.size(1), width = w_out.size(0);
   TORCH_CHECK(heads >= 1 && d_out % heads == 0, "decode_step: heads (", heads,
-              ") must be >= 1 and divide d_out (", d_out, ")");
+              ") must be >= 1 and divide d_out (", d_out, ", w_out's columns)");
   const int64_t hd = d_out / heads;
   TORCH_CHECK(hd % kRows == 0, "decode_step: head_dim (", hd, " = d_out ", d_out, " / heads ",
               heads, ") must be a multiple of ", kRows);
@@ -983,7 +985,7 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   check_float(w_qkv, "w_qkv");
   check_shape(w_qkv, "w_qkv", {d_qkv, d_in});
   check_bias(b_qkv, "b_qkv", d_qkv);
-  check_bias(b_out, "b_out", d_out);
+  check_bias(b_out, "b_out", width);
   TORCH_CHECK(position >= 0, "decode_step: position (", position, ") must be >= 0");
   TORCH_CHECK(cos.defined() && sin.defined(), "decode_step: cos and sin must be defined");
   if (cos.numel() || sin.numel()) {
@@ -1022,7 +1024,8 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
     check_shape(k_norm, "k_norm", {norm_per_head ? hd : kv_heads * hd});
     TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0 &&
                     norm_eps <= std::numeric_limits<float>::max(),
-                "decode_step: norm_eps (", norm_eps, ") must be > 0 and finite in float32");
+                "decode_step: norm_eps (", norm_eps, ") must be > 0 and finite in float32 (at "
+                "most ", std::numeric_limits<float>::max(), ")");
     TORCH_CHECK(std::isfinite(norm_offset) &&
                     std::abs(norm_offset) <= std::numeric_limits<float>::max(),
                 "decode_step: norm_offset (", norm_offset, ") must be finite in float32");
@@ -1047,7 +1050,7 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   // the output allocated before the cache is written, and then, once the chunks are known,
   // one scratch buffer for the projected token, the chunks' partial sums and the heads'
   // outputs (one allocation: a tiny layer's step is a few microseconds, each costs ~0.2)
-  auto out = at::empty({batch, 1, d_out}, x.options());  // (b, 1, d_out), as the module's
+  auto out = at::empty({batch, 1, width}, x.options());  // (b, 1, width), as the module's
   // enough work items for every thread twice over, each of at least kMinChunk keys; with
   // several query heads per key/value head (their sums in registers), at most
   // kMaxGroupedChunk, so that the scores of all of them stay in L1 for the values' pass
@@ -1067,7 +1070,9 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   if (normed) {  // each head's (or the whole projection's) queries and keys, before rotation
     const float* qw = q_norm.data_ptr<float>();
     const float* kw = k_norm.data_ptr<float>();
-    const float eps = static_cast<float>(norm_eps), offset = static_cast<float>(norm_offset);
+    // an eps below float32's smallest normal value counts as that value, as in RMSNorm
+    const float eps = std::max(static_cast<float>(norm_eps), std::numeric_limits<float>::min());
+    const float offset = static_cast<float>(norm_offset);
     for (int64_t b = 0; b < batch; ++b) {
       float* row = q + b * d_qkv;  // (heads * hd queries, kv_heads * hd keys, values)
       if (norm_per_head) {
@@ -1107,10 +1112,10 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
       TORCH_CHECK(false, "decode_step: cache dtype ", keys_t.scalar_type(), " is not handled");
   }
   project(attn, batch, d_out, w_out.data_ptr<float>(),
-          b_out.numel() ? b_out.data_ptr<float>() : nullptr, d_out, out.data_ptr<float>());
+          b_out.numel() ? b_out.data_ptr<float>() : nullptr, width, out.data_ptr<float>());
   // x was finite: a non-finite output is float32 overflowing (x times the weights, or the
   // scale times q . k); refused, not returned (attnlab.decode_cpu names it a ValueError)
-  TORCH_CHECK(all_finite(out.data_ptr<float>(), batch * d_out),
+  TORCH_CHECK(all_finite(out.data_ptr<float>(), batch * width),
               "decode_step: the output is not finite though x is: the projections or the "
               "scores overflowed float32 (x's values times the weights, or the scale times "
               "q . k, past 3.4e38)");
