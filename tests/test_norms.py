@@ -90,3 +90,18 @@ def test_a_module_with_a_tiny_eps_decodes_a_zero_token_natively_as_its_forward()
         cache = m.make_cache(1)
         steps = torch.cat([m(x[:, i : i + 1], cache=cache) for i in range(6)], dim=1)
         torch.testing.assert_close(steps, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_offset_whose_identity_weight_overflows_is_a_named_value_error():
+    """1 - offset past the weight dtype's largest value (it was torch's RuntimeError from
+    torch.full); the same offset in float64 is a weight float64 holds."""
+    with pytest.raises(ValueError, match=r"offset \(1e\+39\) puts the weight's identity value"):
+        RMSNorm(8, offset=1e39)
+    assert RMSNorm(8, offset=1e39, dtype=torch.float64).weight.dtype == torch.float64
+
+
+def test_the_modules_offset_past_the_weights_dtype_names_qk_norm_offset():
+    from attnlab import MultiHeadAttention
+
+    with pytest.raises(ValueError, match=r"^qk_norm_offset \(1e\+39\) puts the weight's"):
+        MultiHeadAttention(16, 32, 8, 0.0, 4, qk_norm="head", qk_norm_offset=1e39)

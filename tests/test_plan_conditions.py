@@ -822,6 +822,20 @@ def test_a_norm_the_kernel_does_not_stand_for_decodes_through_its_own_call(case)
 
 
 @needs_native
+@pytest.mark.parametrize("constant", ["qk_norm_eps", "qk_norm_offset"])
+def test_a_norm_constant_at_float32s_largest_value_is_the_kernels(constant):
+    """eps or offset exactly float32's largest value: within the kernel's range (the plan
+    leaves only values past it to the Python path)."""
+    largest = torch.finfo(torch.float32).max
+    m = build(qk_norm="head", **{constant: largest})
+    assert plan.native_module(m) is not None
+    attribute = constant.removeprefix("qk_norm_")
+    setattr(m.q_norm, attribute, largest * 1.01)
+    setattr(m.k_norm, attribute, largest * 1.01)
+    assert plan.native_module(m) is None
+
+
+@needs_native
 @settings(max_examples=20, deadline=None)
 @given(
     st.sampled_from(["head", "projection"]),

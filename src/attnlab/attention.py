@@ -33,7 +33,7 @@ from attnlab._validate import (
     check_tensor,
 )
 from attnlab.kv_cache import BLOCK_TOKENS, KVCache
-from attnlab.norms import RMSNorm
+from attnlab.norms import RMSNorm, check_offset
 from attnlab.rope import RotaryEmbedding, check_base
 from attnlab.static_cache import StaticKVCache
 
@@ -190,6 +190,7 @@ class MultiHeadAttention(nn.Module):
             return
         q_dim, k_dim = (self.head_dim,) * 2 if qk_norm == "head" else (self.d_out, self.kv_dim)
         options = {"offset": self.qk_norm_offset, **factory}
+        check_offset("qk_norm_offset", self.qk_norm_offset, factory["dtype"])
         self.q_norm = RMSNorm(q_dim, self.qk_norm_eps, **options)
         self.k_norm = RMSNorm(k_dim, self.qk_norm_eps, **options)
 

@@ -17,6 +17,18 @@ from attnlab import _own_code
 from attnlab._validate import check_float, check_size
 
 
+def check_offset(name: str, offset: float, dtype: torch.dtype | None) -> float:
+    """`offset` if the weight's identity value, 1 - offset, is finite in `dtype` (None:
+    torch's default), else a ValueError naming `name`."""
+    weight_dtype = dtype or torch.get_default_dtype()
+    if not abs(1.0 - offset) <= torch.finfo(weight_dtype).max:
+        raise ValueError(
+            f"{name} ({offset}) puts the weight's identity value, 1 - {name}, past "
+            f"{weight_dtype}'s largest value"
+        )
+    return offset
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation over the last dimension with a learned scale.
 
@@ -29,7 +41,8 @@ class RMSNorm(nn.Module):
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: dim < 1, or eps not positive and finite.
+        ValueError: dim < 1, eps not positive and finite, or 1 - offset past the weight
+            dtype's largest value.
 
     Examples:
         >>> norm = RMSNorm(8)
@@ -50,7 +63,7 @@ class RMSNorm(nn.Module):
         self.dim = check_size("dim", dim)
         self.eps = check_float("eps", eps, greater_than=0.0)
         self.offset = check_float("offset", offset)
-        start = 1.0 - self.offset  # the identity scale
+        start = 1.0 - check_offset("offset", self.offset, dtype)  # the identity scale
         self.weight = nn.Parameter(torch.full((self.dim,), start, device=device, dtype=dtype))
 
     def extra_repr(self) -> str:
