@@ -281,7 +281,8 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     """The tensors the native decode step reads (decode_cpu.Weights) when the module as it
     is now suits it, else None: backend "auto", causal, no dropout applied, a head_dim that
     is a multiple of 4, its own steps, rotary embedding and query/key norms, and plain
-    float32 CPU projections of exactly its shapes, with no hooks."""
+    float32 CPU projections of exactly its shapes (the output projection of any width), with
+    no hooks."""
     state = module.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
     d_in, d_out = state["d_in"], state["d_out"]
     head_dim = d_out // state["num_heads"]  # the properties head_dim, kv_dim, fused
