@@ -13,29 +13,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import attnlab
 from attnlab import MultiHeadAttention, functional
-
-
-class NanoGPTAttention(nn.Module):
-    """nanoGPT's CausalSelfAttention forward (flash branch, no dropout), rewritten."""
-
-    def __init__(self, d_model: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.c_attn = nn.Linear(d_model, 3 * d_model)
-        self.c_proj = nn.Linear(d_model, d_model)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)  # (b, h, t, hd)
-        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))  # (b, t, c)
+from attnlab.bench.peers import NanoGPTAttention, Shape, make_weights
 
 
 def microseconds(call, calls: int = 3000, rounds: int = 5) -> float:
@@ -56,7 +37,8 @@ def main() -> None:
     torch.set_num_threads(1)
     x = torch.randn(1, 4, 64)  # (b, t, d_model)
     q = torch.randn(1, 4, 4, 16)  # (b, h, t, hd)
-    nano = NanoGPTAttention()
+    shape = Shape(1, 4, 64, 4, torch.float32, torch.device("cpu"))
+    nano = NanoGPTAttention(shape, make_weights(shape))  # the bench's nanoGPT peer
     module = MultiHeadAttention(64, 64, 64, 0.0, 4)
     sdpa = F.scaled_dot_product_attention
     rows = [
