@@ -821,6 +821,18 @@ def test_a_norm_the_kernel_does_not_stand_for_decodes_through_its_own_call(case)
     _decodes_through_the_python_path_as_its_full_forward(m)
 
 
+def test_a_norm_without_its_eps_is_left_to_its_own_call():
+    """A norm whose eps was deleted: the plan declines (no KeyError of its own), and the call
+    raises what the norm's forward raises."""
+    m = build(qk_norm="head")
+    del m.q_norm.eps
+    assert plan.native_module(m) is None
+    cache = m.make_cache(1)
+    with torch.no_grad(), pytest.raises(AttributeError, match="eps"):
+        m(torch.randn(1, 1, 16), cache=cache)
+    assert cache.position == 0
+
+
 @needs_native
 @pytest.mark.parametrize("constant", ["qk_norm_eps", "qk_norm_offset"])
 def test_a_norm_constant_at_float32s_largest_value_is_the_kernels(constant):

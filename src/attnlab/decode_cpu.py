@@ -98,6 +98,9 @@ class Weights(NamedTuple):
     norm_offset: float = 0.0
 
 
+_TENSORS = Weights._fields.index("norm_eps")  # Weights' tensors come before its floats
+
+
 def reads_buffer(buffer: torch.Tensor) -> bool:
     """reads(buffer.dtype, buffer.device) for a cache's buffer, without building a
     torch.device (the plan asks this per decoded token and layer)."""
@@ -152,7 +155,7 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
     try:
         y = _op()(
             x if x.is_contiguous() else x.contiguous(),  # (b, 1, d_in)
-            *weights[:8],  # the tensors, qkv to k_norm
+            *weights[:_TENSORS],  # the tensors, qkv to k_norm
             cache.keys_t,
             cache.values_t,
             key_scales,

@@ -331,8 +331,9 @@ def _with_own_norms(
     q_weight, k_weight = _own_norm_weight(q_norm, q_dim), _own_norm_weight(k_norm, k_dim)
     if q_weight is None or k_weight is None:
         return None
-    eps, offset = q_norm.__dict__["eps"], q_norm.__dict__["offset"]
-    if (eps, offset) != (k_norm.__dict__["eps"], k_norm.__dict__["offset"]):
+    q_state, k_state = q_norm.__dict__, k_norm.__dict__  # a deleted one: the norm's own error
+    eps, offset = q_state.get("eps"), q_state.get("offset")
+    if (eps, offset) != (k_state.get("eps"), k_state.get("offset")):
         return None  # the kernel takes one eps and one offset for both
     if type(eps) is not float or type(offset) is not float:
         return None  # set to something else since construction checked them
