@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -79,8 +80,16 @@ def build_key(source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> dic
         "compiler": os.path.realpath(found) if found else compiler,
         "cflags": " ".join(flags),
         "ldflags": " ".join(ldflags),
-        "source": hashlib.sha256(source.read_bytes()).hexdigest(),
+        "source": hashlib.sha256(_source_text(source)).hexdigest(),
     }
+
+
+def _source_text(source: Path) -> bytes:
+    """`source` and, after it, each header of its folder it includes ("name.h"): the text a
+    build compiles."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([\w.]+)"', text, flags=re.MULTILINE)
+    return b"".join([text, *(source.with_name(h.decode()).read_bytes() for h in headers)])
 
 
 def extension_name(base: str, source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> str:

@@ -183,9 +183,15 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
 _OVERFLOW = "decode_step: the output is not finite"
 
 
+def binding():
+    """The extension's Python module (its functions bound directly: decode_step, and the
+    call plan's lane, attnlab.plan.decode_lane); the extension must be available."""
+    return _build.python_module(_NAME)
+
+
 @functools.cache
 def _op():
     """The op's direct binding (the same checked C++ function without torch.ops' schema
     parsing, ~2 us less per call); torch.ops.attnlab_decode.decode_step is the registered
     face, which torch.compile and export trace (fake_ops)."""
-    return _build.python_module(_NAME).decode_step
+    return binding().decode_step

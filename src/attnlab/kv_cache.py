@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
-from attnlab import debug, masks
+from attnlab import _own_code, debug, masks
 from attnlab._validate import (
     check_bool,
     check_device,
@@ -544,6 +544,15 @@ class KVCache:
 
 
 _EMPTY = torch.empty(0)
+
+# the fast paths read a KVCache's fields as its methods would: they stand for this file's code
+_AS_DEFINED = _own_code.as_defined(KVCache)
+
+
+def code_as_written() -> bool:
+    """True when KVCache's methods and properties are the ones this file defines (no class
+    patch)."""
+    return _AS_DEFINED(KVCache)
 
 
 def check_storable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:

@@ -29,6 +29,11 @@ changes that path's arithmetic and not the native step's, and is outside this co
 Checking on every call is the plan's invalidation: nothing the user changes (a submodule
 replaced, a parameter swapped or reshaped, a hook added, the rope tables, dtype, device,
 autocast, grad mode) can go unseen, and the checks cost a few attribute reads.
+
+The decode step's plan is also read in C++ (decode_lane, csrc/decode_plan.h), where its
+checks cost about a microsecond instead of ~25: forward asks it first for a one-token cached
+call, and what it does not take goes on to forward's checks and native_decode here, which
+stay the reference it is tested against (it takes a call only where they would).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from torch.nn.modules import linear as _linear
 from torch.nn.modules import module as _module
 
 from attnlab import debug, decode_cpu, matvec
+from attnlab import kv_cache as kv_cache_
 from attnlab.kv_cache import KVCache
 from attnlab.norms import RMSNorm
 from attnlab.norms import code_as_written as norm_code_as_written
@@ -400,6 +406,63 @@ def native_decode(
     if weights.cos.numel() and cache.position >= weights.cos.shape[0]:
         return None  # past the rotary tables: the Python path raises forward's error
     return weights if decode_cpu.available() else None
+
+
+def decode_lane(module: MultiHeadAttention, x: object, cache: object) -> torch.Tensor | None:
+    """module(x, cache=cache) through the native decode step when its plan, read in C++
+    (csrc/decode_plan.h), takes the call, else None, with nothing written.
+
+    It takes a call only where forward's checks would pass and native_decode would take it,
+    and beyond them only for exact classes (MultiHeadAttention, KVCache), no gradient mode
+    and a cache that does not roll; a step that is not finite is None too. Forward asks it
+    first (outside compilation, where its caller checks), for a call with a cache and no
+    context, mask or weights.
+
+    Args:
+        module: the MultiHeadAttention called.
+        x: its input, any object (the lane reads exact tensors only).
+        cache: the cache given, any object.
+
+    Returns:
+        The output (b, 1, width), or None.
+    """
+    lane = _lane()
+    return None if lane is None else lane(module, x, cache)
+
+
+@functools.cache
+def _lane():
+    """The extension's decode_lane, set up with this module's references (the classes whose
+    code the fast paths stand for, their tests and fresh attributes), or None without it."""
+    if not decode_cpu.available():
+        return None
+    from attnlab.attention import _AS_DEFINED, MultiHeadAttention
+
+    binding = decode_cpu.binding()
+    binding.plan_setup(
+        (MultiHeadAttention, nn.Linear, RotaryEmbedding, RMSNorm, KVCache),
+        (
+            functools.partial(_AS_DEFINED, MultiHeadAttention),
+            linear_code_as_torch_wrote_it,
+            rope_code_as_written,
+            norm_code_as_written,
+            kv_cache_.code_as_written,
+        ),
+        (
+            _fresh_attention_state(),
+            _fresh_state(nn.Linear),
+            _fresh_state(RotaryEmbedding),
+            _fresh_state(RMSNorm),
+            frozenset(KVCache(1, 1, 1, 1).__dict__),
+        ),
+        nn.Parameter,
+        torch.Tensor,
+        _GLOBAL_HOOKS,
+        F,
+        _F_LINEAR,
+        torch.autograd.forward_ad,
+    )
+    return binding.decode_lane
 
 
 def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:

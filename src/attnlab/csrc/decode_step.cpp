@@ -1172,6 +1172,9 @@ at::Tensor decode_step_direct(const at::Tensor& x, const at::Tensor& w_qkv,
 
 }  // namespace
 
+// the call plan's lane (forward's one-token cached calls: the plan read in C++, then the op)
+#include "decode_plan.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step_direct, "attnlab_decode::decode_step, bound directly",
         py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_out"), py::arg("b_out"),
@@ -1180,4 +1183,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("position"), py::arg("slot"), py::arg("first"), py::arg("count"),
         py::arg("block"), py::arg("scale"), py::arg("norm_eps"), py::arg("norm_offset"),
         py::call_guard<py::gil_scoped_release>());
+  bind_plan(m);
 }
