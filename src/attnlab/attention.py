@@ -379,9 +379,14 @@ class MultiHeadAttention(nn.Module):
                 non-finite input, a mask that does not fit, or a backend that cannot run
                 the call (the message says which).
         """
-        one_step = cache is not None and context is None and mask is None and not need_weights
-        if one_step and need_weights is False and not torch.compiler.is_compiling():
-            out = plan.decode_lane(self, x, cache)  # the plan in C++ (a trace: Python's)
+        if (
+            need_weights is False
+            and cache is not None
+            and context is None
+            and mask is None
+            and not torch.compiler.is_compiling()  # a trace takes the Python path
+        ):
+            out = plan.decode_lane(self, x, cache)  # the plan in C++: ~1 us, not ~25
             if out is not None:
                 return out
         x = self._check_input("x", x, self.d_in, batch=None, finite=False)
