@@ -413,10 +413,11 @@ def decode_lane(module: MultiHeadAttention, x: object, cache: object) -> torch.T
     (csrc/decode_plan.h), takes the call, else None, with nothing written.
 
     It takes a call only where forward's checks would pass and native_decode would take it,
-    and beyond them only for exact classes (MultiHeadAttention, KVCache), no gradient mode
-    and a cache that does not roll; a step that is not finite is None too. Forward asks it
-    first (outside compilation, where its caller checks), for a call with a cache and no
-    context, mask or weights.
+    and beyond them only for exact classes (MultiHeadAttention, KVCache) and no gradient
+    mode; a step that is not finite, or whose float32 arithmetic overflowed, is None too,
+    with a rolling cache's overwritten slot put back. Forward asks it first (outside
+    compilation, where its caller checks), for a call with a cache and no context, mask or
+    weights.
 
     Args:
         module: the MultiHeadAttention called.

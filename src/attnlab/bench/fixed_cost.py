@@ -5,7 +5,11 @@ tokens held) where the arithmetic is negligible.
 
 Rows, timed side by side in interleaved rounds (attnlab.bench.timing):
 
-- "module step": module(x, cache=cache), the whole call a model makes per layer;
+- "module step": module(x, cache=cache), the whole call a model makes per layer (its plan
+  read in C++: attnlab.plan.decode_lane);
+- "subclass step": the same call on an empty subclass of MultiHeadAttention, which the C++
+  plan leaves to forward's checks and the plan in Python (plan.native_decode) before the
+  same native op: what the plan costs in Python;
 - "native op": the native decode step alone (decode_cpu.step: no module call, checks or
   plan), so that module step - native op is the Python around it;
 - "nn.Linear(64, 192)": one PyTorch projection of the token, the smallest call a layer
@@ -34,6 +38,7 @@ class FixedCostReport:
     """Median seconds per call of each row (None where the native step is unavailable)."""
 
     module_step_s: float
+    subclass_step_s: float
     native_op_s: float | None
     linear_s: float
     python_path_s: float
@@ -58,10 +63,14 @@ def run_fixed_cost(*, rounds: int = 5, min_run_time: float = 0.2) -> FixedCostRe
     reference = MultiHeadAttention(D_MODEL, D_MODEL, 4 * HELD, 0.0, HEADS, backend="sdpa")
     reference.load_state_dict(module.state_dict())
     reference.eval()
+    subclass = _Subclass(D_MODEL, D_MODEL, 4 * HELD, 0.0, HEADS)
+    subclass.load_state_dict(module.state_dict())
+    subclass.eval()
     x = torch.randn(1, 1, D_MODEL)  # (b, 1, d)
     with torch.no_grad():
         candidates = {
             "module step": _step(module, x),
+            "subclass step": _step(subclass, x),
             "nn.Linear(64, 192)": _linear(module, x),
             "Python path": _step(reference, x),
         }
@@ -71,11 +80,17 @@ def run_fixed_cost(*, rounds: int = 5, min_run_time: float = 0.2) -> FixedCostRe
         medians = interleaved_medians(candidates, rounds=rounds, min_run_time=min_run_time)
     return FixedCostReport(
         module_step_s=medians["module step"],
+        subclass_step_s=medians["subclass step"],
         native_op_s=medians.get("native op"),
         linear_s=medians["nn.Linear(64, 192)"],
         python_path_s=medians["Python path"],
         threads=torch.get_num_threads(),
     )
+
+
+class _Subclass(MultiHeadAttention):
+    """MultiHeadAttention as it is, under another class: the plan in Python takes its calls
+    (no method overridden), the plan in C++ (exact classes only) does not."""
 
 
 def _filled(module: MultiHeadAttention):
@@ -123,6 +138,7 @@ def print_fixed_cost(report: FixedCostReport, console: Console) -> None:
     table.add_column("us per token", justify="right")
     rows = [
         ("module step (what a model pays)", report.module_step_s),
+        ("a subclass's step (the plan in Python)", report.subclass_step_s),
         ("native op alone", report.native_op_s),
         ("checks + plan + module call (difference)", _difference(report)),
         ("nn.Linear(64, 192) alone, for scale", report.linear_s),

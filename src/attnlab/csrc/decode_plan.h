@@ -8,9 +8,10 @@
 //
 // This is a stricter copy of the allow-list in attnlab/plan.py, which stays the reference:
 // it takes a call only when every condition native_decode states holds and, beyond them,
-// exact classes (no subclass of MultiHeadAttention or KVCache), no gradient mode, and a cache
-// that does not roll. Anything it does not take goes on to forward's Python checks and plan,
-// unchanged. tests/test_plan_lane.py holds it to "taken here => taken there" on every
+// exact classes (no subclass of MultiHeadAttention or KVCache) and no gradient mode.
+// Anything it does not take goes on to forward's Python checks and plan, unchanged. A rolling
+// cache's slot is kept before the step overwrites it and put back if the step is refused, as
+// KVCache.transaction does on the Python face. tests/test_plan_lane.py holds it to "taken here => taken there" on every
 // condition, and to the Python path's outputs.
 //
 // What a class runs (its methods, properties and those of its bases) is read through the
@@ -32,6 +33,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #include <limits>
 #include <optional>
 
@@ -171,12 +174,14 @@ const at::Tensor* tensor_of(PyObject* obj, PyObject* cls) {
   return &THPVariable_Unpack(obj);
 }
 
-// float32, strided, contiguous CPU memory that is its values (no lazy negation or conjugate)
-bool plain_float(const at::Tensor& t) {
+// float32 strided CPU memory that is its values (no lazy negation or conjugate), any strides
+bool float_memory(const at::Tensor& t) {
   return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
-         t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_neg() && !t.is_conj() &&
-         t.has_storage();
+         t.scalar_type() == at::kFloat && !t.is_neg() && !t.is_conj() && t.has_storage();
 }
+
+// float_memory, contiguous: what the kernel reads of a layer's tensors
+bool plain_float(const at::Tensor& t) { return float_memory(t) && t.is_contiguous(); }
 
 // The class `which` runs the code plan.py stands for: its Python test, trusted while the
 // class's version tag is unchanged since the test last passed
@@ -294,8 +299,9 @@ bool own_norm(PyObject* norm, int64_t dim, at::Tensor& weight, double& eps, doub
 struct Call {
   at::Tensor x, w_qkv, b_qkv, w_out, b_out, cos, sin, q_norm, k_norm, keys_t, values_t,
       key_scales, value_scales;
-  int64_t heads = 0, position = 0, slot = 0, first = 0, count = 0, block = 0;
+  int64_t heads = 0, position = 0, slot = 0, first = 0, count = 0, block = 0, capacity = 0;
   double scale = 0, norm_eps = 1e-6, norm_offset = 0;
+  bool rolling = false;  // the slot written holds a token still attended to
 };
 
 // The module's layer shapes, read from its dictionary
@@ -362,18 +368,21 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
   if (kept == nullptr || (kept != Py_None && !exact_int(kept, 1, kLargest, window))) {
     return false;
   }
-  if (window != 0 && (window != layer.window || capacity == window)) {
-    return false;  // another window than the layer's, or a rolling cache (Python's transaction)
+  if (window != 0 && window != layer.window) return false;  // a wider window: Python's
+  call.rolling = window != 0 && capacity == window;  // KVCache.rolling
+  if ((!call.rolling && call.position >= capacity) || call.position + 1 > layer.context_length) {
+    return false;  // full, or past the rotary positions forward allows
   }
-  if (call.position >= capacity || call.position + 1 > layer.context_length) return false;
   const at::Tensor* keys = tensor_of(item(d, names.keys_t), spec.tensor);
   const at::Tensor* values = tensor_of(item(d, names.values_t), spec.tensor);
   if (keys == nullptr || values == nullptr) return false;
   const auto dtype = keys->scalar_type();
   if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kChar) return false;
+  const std::vector<int64_t> shape = {batch, kv_heads, hd * capacity};
   for (const at::Tensor* t : {keys, values}) {
     if (!t->device().is_cpu() || t->scalar_type() != dtype || t->requires_grad()) return false;
     if (t->is_inference() && !c10::InferenceMode::is_enabled()) return false;  // locked
+    if (t->sizes() != shape || !t->is_contiguous()) return false;
   }
   PyObject* key_scales = item(d, names.key_scales);
   PyObject* value_scales = item(d, names.value_scales);
@@ -382,13 +391,24 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
   } else {
     const at::Tensor* ks = tensor_of(key_scales, spec.tensor);
     const at::Tensor* vs = tensor_of(value_scales, spec.tensor);
-    if (ks == nullptr || vs == nullptr) return false;
+    if (ks == nullptr || vs == nullptr || dtype != at::kChar) return false;
+    const std::vector<int64_t> per_token = {batch, kv_heads, capacity};
+    for (const at::Tensor* t : {ks, vs}) {
+      if (!plain_float(*t) || t->sizes() != per_token || t->requires_grad()) return false;
+    }
     call.key_scales = *ks;
     call.value_scales = *vs;
   }
   call.keys_t = *keys;
   call.values_t = *values;
-  call.slot = call.position;  // KVCache.native_slots without rolling
+  call.capacity = capacity;
+  if (call.rolling) {  // KVCache.native_slots: the window's slots, from slot 0
+    call.slot = call.position % capacity;
+    call.first = 0;
+    call.count = std::min(call.position + 1, capacity);
+    return true;
+  }
+  call.slot = call.position;
   call.first = layer.window ? std::max<int64_t>(0, call.position + 1 - layer.window) : 0;
   call.count = call.position + 1 - call.first;
   return true;
@@ -398,7 +418,7 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
 std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
   if (!spec.ready || !quiet_state()) return std::nullopt;
   const at::Tensor* token = tensor_of(x, spec.tensor);
-  if (token == nullptr || !plain_float(*token) || token->dim() != 3 || token->size(1) != 1) {
+  if (token == nullptr || !float_memory(*token) || token->dim() != 3 || token->size(1) != 1) {
     return std::nullopt;
   }
   pybind11::object dict = pristine(module, kAttention, false);  // its hooks ran in __call__
@@ -407,7 +427,7 @@ std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
   Layer layer;
   Call call;
   if (!read_layer(d, layer, call.scale) || token->size(2) != layer.d_in) return std::nullopt;
-  call.x = *token;
+  call.x = token->contiguous();  // (b, 1, d_in): a step of a longer x is a strided view
   call.heads = layer.heads;
   PyObject* modules = item(d, names.modules);
   if (modules == nullptr || !PyDict_Check(modules)) return std::nullopt;
@@ -442,6 +462,47 @@ std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
 
 constexpr const char* kOverflow = "decode_step: the output is not finite";
 
+// A rolling cache's slot as it was before the step (each head's values in the keys and the
+// values, then an int8 cache's two scales), kept to be put back when the step is refused, as
+// KVCache.transaction does on the Python face
+class SlotKept {
+ public:
+  explicit SlotKept(const Call& call) : call_(call) { each([](char* held, char* kept, int64_t n) {
+    std::memcpy(kept, held, n);
+  }); }
+  void put_back() { each([](char* held, char* kept, int64_t n) { std::memcpy(held, kept, n); }); }
+
+ private:
+  template <typename F>
+  void each(F&& copy) {
+    const int64_t hd = call_.keys_t.size(2) / call_.capacity;
+    const int64_t heads = call_.keys_t.size(0) * call_.keys_t.size(1);
+    int64_t stride = 0;
+    const int64_t offset = slot_offset(call_.slot, hd, call_.capacity, call_.block, stride);
+    bytes_.resize(2 * heads * (hd * call_.keys_t.element_size() + sizeof(float)));
+    char* kept = bytes_.data();
+    for (const at::Tensor* buffer : {&call_.keys_t, &call_.values_t}) {
+      const int64_t size = buffer->element_size();
+      char* base = static_cast<char*>(buffer->data_ptr());
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t d = 0; d < hd; ++d, kept += size) {
+          copy(base + (h * hd * call_.capacity + offset + d * stride) * size, kept, size);
+        }
+      }
+    }
+    for (const at::Tensor* scales : {&call_.key_scales, &call_.value_scales}) {
+      if (!scales->numel()) continue;
+      char* base = static_cast<char*>(scales->data_ptr());
+      for (int64_t h = 0; h < heads; ++h, kept += sizeof(float)) {
+        copy(base + (h * call_.capacity + call_.slot) * sizeof(float), kept, sizeof(float));
+      }
+    }
+  }
+
+  const Call& call_;
+  std::vector<char> bytes_;
+};
+
 // module(x, cache=cache) through the native step when the lane takes it: the output (b, 1,
 // width) with the cache's position moved on; else None with nothing written (a call the lane
 // does not take, an x that is not finite, a step whose float32 arithmetic overflowed: forward
@@ -450,6 +511,8 @@ pybind11::object decode_lane(pybind11::handle module, pybind11::handle x,
                              pybind11::handle cache) {
   std::optional<Call> call = plan_for(module.ptr(), x.ptr(), cache.ptr());
   if (!call) return pybind11::none();
+  std::optional<SlotKept> kept;
+  if (call->rolling) kept.emplace(*call);  // the step overwrites a held token
   at::Tensor out;
   try {
     pybind11::gil_scoped_release released;
@@ -459,6 +522,7 @@ pybind11::object decode_lane(pybind11::handle module, pybind11::handle x,
         call->value_scales, call->heads, call->position, call->slot, call->first, call->count,
         call->block, call->scale, call->norm_eps, call->norm_offset);
   } catch (const c10::Error& error) {
+    if (kept) kept->put_back();
     const std::string message = error.what_without_backtrace();
     if (message.rfind(kOverflow, 0) == 0) return pybind11::none();
     throw std::runtime_error(message);
