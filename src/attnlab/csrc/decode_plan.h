@@ -197,13 +197,21 @@ bool as_written(Watched which) {
   return written;
 }
 
-// An instance of exactly `which`'s class holding only what a fresh one holds, no hook (for
-// modules), and its own code: its dictionary, else null
+// Every watched class runs its own code (as_written): asked before anything is read, since
+// a class's test is Python, which could change what the lane holds references into
+bool classes_as_written() {
+  for (int which = 0; which < kWatched; ++which) {
+    if (!as_written(static_cast<Watched>(which))) return false;
+  }
+  return true;
+}
+
+// An instance of exactly `which`'s class (whose code classes_as_written vouched for) holding
+// only what a fresh one holds, and no hook (for modules): its dictionary, else null
 pybind11::object pristine(PyObject* obj, Watched which, bool module) {
   if (obj == nullptr || reinterpret_cast<PyObject*>(Py_TYPE(obj)) != spec.classes[which]) {
     return {};
   }
-  if (!as_written(which)) return {};
   pybind11::object dict = instance_dict(obj);
   if (!dict || !keys_within(dict.ptr(), spec.fresh[which])) return {};
   if (module && !no_hooks(dict.ptr())) return {};
@@ -416,7 +424,7 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
 
 // The call when the lane takes module(x, cache=cache), else nothing
 std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
-  if (!spec.ready || !quiet_state()) return std::nullopt;
+  if (!spec.ready || !quiet_state() || !classes_as_written()) return std::nullopt;
   const at::Tensor* token = tensor_of(x, spec.tensor);
   if (token == nullptr || !float_memory(*token) || token->dim() != 3 || token->size(1) != 1) {
     return std::nullopt;
