@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 import sysconfig
+import time
 import warnings
 from pathlib import Path
 
@@ -89,6 +90,35 @@ def test_a_build_says_so_in_one_line_with_its_duration(fake_build, source, capsy
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("attnlab: building the test kernel") and lines[0].endswith(" s")
+
+
+def test_a_lock_a_killed_build_left_is_removed_and_the_build_goes_on(fake_build, source, capsys):
+    """cpp_extension waits for the lock file of a build in progress; one older than a build
+    can take (its process was killed) is removed, said in the build's line, and built."""
+    name = _name(source, _build.cflags(), _build.LDFLAGS)
+    lock = _build.build_directory(name) / "lock"
+    lock.write_bytes(b"")
+    old = time.time() - _build.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert not lock.exists() and len(fake_build) == 1
+    assert "removed a stale lock" in capsys.readouterr().err
+
+
+def test_a_lock_of_a_build_in_progress_is_waited_for(fake_build, source, monkeypatch):
+    name = _name(source, _build.cflags(), _build.LDFLAGS)
+    lock = _build.build_directory(name) / "lock"
+    lock.write_bytes(b"")
+    slept = []
+
+    def sleep(seconds):  # the other build ends after two waits
+        slept.append(seconds)
+        if len(slept) == 2:
+            lock.unlink()
+
+    monkeypatch.setattr(_build.time, "sleep", sleep)
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert len(slept) == 2 and len(fake_build) == 1
 
 
 def test_a_finished_build_is_loaded_without_building(fake_build, source, capsys, monkeypatch):

@@ -189,6 +189,7 @@ def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | Non
     print(f"attnlab: building {what} for this environment (once) ...", end="", file=sys.stderr)
     sys.stderr.flush()
     start = time.perf_counter()
+    _wait_for_lock(build_directory(name) / "lock")
     from torch.utils import cpp_extension
 
     try:
@@ -207,6 +208,27 @@ def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | Non
     print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
     _LOADED[base] = built
     return None
+
+
+# a build takes 1 to 2 minutes on a 2-core machine: a lock older than this is a killed
+# build's (torch's FileBaton would wait for it forever)
+STALE_LOCK_SECONDS = 600.0
+
+
+def _wait_for_lock(lock: Path) -> None:
+    """Wait while another process builds into this folder (its lock file), and remove a
+    lock older than STALE_LOCK_SECONDS, which a killed build left behind: cpp_extension
+    would otherwise wait for it forever."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            print(f" (removed a stale lock of {age:.0f} s, {lock})", end="", file=sys.stderr)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
 
 
 def _load_library(path: Path) -> bool:
