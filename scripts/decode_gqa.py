@@ -60,6 +60,7 @@ def baseline_op(source: str):
         [str(path)],
         extra_cflags=_build.cflags(decode_cpu._WIDE),
         extra_ldflags=list(_build.LDFLAGS),
+        extra_include_paths=[str(Path(decode_cpu.__file__).with_name("csrc"))],  # its headers
     )
     return module.decode_step
 
