@@ -96,7 +96,8 @@ def stack_step(num_kv_heads: int, batch: int, context: int, cache_dtype: torch.d
         def step() -> torch.Tensor:
             hidden = x
             for weights, arguments in calls:
-                hidden = op(hidden, *weights, *arguments)
+                tensors, norms = weights[: decode_cpu._TENSORS], weights[decode_cpu._TENSORS :]
+                hidden = op(hidden, *tensors, *arguments, *norms)  # the op's argument order
             return hidden
 
         return step
