@@ -354,3 +354,72 @@ def test_the_lane_takes_a_call_only_where_the_reference_does(changes, dtype, bat
         twin.__dict__["python_path"] = True
         got, want = m(x, cache=cache), twin(x, cache=twin_cache)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# a class attribute added for a name the lane reads from instances' dictionaries (where
+# Python's reads would run it instead): the lane refuses, whatever the reference does
+SHADOWED = {
+    "KVCache.position": (KVCache, "position"),
+    "KVCache.batch_size": (KVCache, "batch_size"),
+    "MultiHeadAttention.num_heads": (MultiHeadAttention, "num_heads"),
+    "MultiHeadAttention.causal": (MultiHeadAttention, "causal"),
+    "MultiHeadAttention.qkv_proj": (MultiHeadAttention, "qkv_proj"),
+    "nn.Linear.weight": (nn.Linear, "weight"),
+    "RotaryEmbedding.cos": (RotaryEmbedding, "cos"),
+    "RMSNorm.eps": (RMSNorm, "eps"),
+    "nn.Module.__getattr__": (nn.Module, "__getattr__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHADOWED))
+def test_a_class_attribute_over_a_field_the_lane_reads_is_refused(case, monkeypatch):
+    cls, name = SHADOWED[case]
+    m = build(rope=True, qk_norm="head")
+    cache = filled(m)
+    x = torch.randn(2, 1, 16)
+    with torch.no_grad():
+        assert takes(m, x, cache)
+        if name == "__getattr__":
+            original = nn.Module.__getattr__
+            monkeypatch.setattr(cls, name, lambda self, key: original(self, key))
+        else:
+            monkeypatch.setattr(cls, name, property(lambda self: 0), raising=False)
+        assert not takes(m, x, cache)
+        monkeypatch.undo()
+        assert takes(m, x, cache)
+
+
+@pytest.mark.parametrize("buffer", ["_keys_t", "_values_t", "weight"])
+def test_a_storage_resized_in_place_is_refused_and_named_not_read_past(buffer):
+    """untyped_storage().resize_ keeps a tensor's shape over fewer bytes: the lane refuses,
+    and the Python plan's native step names it (the op's check, or torch's own where the
+    rolling cache's transaction views the slot first) instead of reading or writing past
+    the storage (a crash)."""
+    m = build(window=3)  # a rolling cache: the lane would keep its slot first
+    cache = filled(m)
+    x = torch.randn(2, 1, 16)
+    held = cache.__dict__[buffer] if buffer != "weight" else m.qkv_proj.weight
+    with torch.no_grad():
+        held.untyped_storage().resize_(4)
+        assert not takes(m, x, cache)
+        with pytest.raises(RuntimeError, match="storage"):  # the op's, or torch's view check
+            m(x, cache=cache)
+
+
+def test_a_deleted_rope_is_the_modules_own_error_on_every_path():
+    m = build(rope=True)
+    cache = filled(m)
+    del m.rope
+    with torch.no_grad():
+        assert not takes(m, torch.randn(2, 1, 16), cache)
+        assert plan.native_module(m) is None
+        with pytest.raises(AttributeError, match="rope"):
+            m(torch.randn(2, 1, 16), cache=cache)
+
+
+def test_keys_and_values_in_one_storage_are_refused():
+    m = build()
+    cache = filled(m)
+    cache._values_t = cache._keys_t
+    with torch.no_grad():
+        assert not takes(m, torch.randn(2, 1, 16), cache)

@@ -177,11 +177,34 @@ const at::Tensor* tensor_of(PyObject* obj, PyObject* cls) {
 // float32 strided CPU memory that is its values (no lazy negation or conjugate), any strides
 bool float_memory(const at::Tensor& t) {
   return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
-         t.scalar_type() == at::kFloat && !t.is_neg() && !t.is_conj() && t.has_storage();
+         t.scalar_type() == at::kFloat && !t.is_neg() && !t.is_conj() && storage_covers(t);
 }
 
 // float_memory, contiguous: what the kernel reads of a layer's tensors
 bool plain_float(const at::Tensor& t) { return float_memory(t) && t.is_contiguous(); }
+
+// The names the lane reads from instances of each watched class (their dictionaries), and
+// what looking each up on the class gave at setup (null: nothing): a class attribute added
+// since (a property, which Python's attribute reads would run instead) or a changed
+// __getattribute__ is refused
+std::vector<PyObject*> fields[kWatched];
+std::vector<PyObject*> class_level[kWatched];
+
+PyObject* class_lookup(PyObject* cls, PyObject* name) {  // a new reference, or null
+  PyObject* found = PyObject_GetAttr(cls, name);
+  if (found == nullptr) PyErr_Clear();
+  return found;
+}
+
+bool fields_unshadowed(Watched which) {
+  for (size_t i = 0; i < fields[which].size(); ++i) {
+    PyObject* now = class_lookup(spec.classes[which], fields[which][i]);
+    const bool same = now == class_level[which][i];
+    Py_XDECREF(now);
+    if (!same) return false;
+  }
+  return true;
+}
 
 // The class `which` runs the code plan.py stands for: its Python test, trusted while the
 // class's version tag is unchanged since the test last passed
@@ -191,9 +214,12 @@ bool as_written(Watched which) {
   if (tag != 0 && tag == spec.verified[which]) return true;
   PyObject* result = PyObject_CallNoArgs(spec.as_written[which]);
   if (result == nullptr) PyErr_Clear();
-  const bool written = result == Py_True;
+  const bool written = result == Py_True && fields_unshadowed(which);
   Py_XDECREF(result);
-  spec.verified[which] = written ? type->tp_version_tag : 0;  // read after the test's reads
+  // trusted only for the tag read before the test, unchanged after it: a change made while
+  // the test ran (another thread's patch) is read again on the next call
+  const bool unchanged = tag != 0 && type->tp_version_tag == tag;
+  spec.verified[which] = written && unchanged ? tag : 0;
   return written;
 }
 
@@ -390,8 +416,9 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
   for (const at::Tensor* t : {keys, values}) {
     if (!t->device().is_cpu() || t->scalar_type() != dtype || t->requires_grad()) return false;
     if (t->is_inference() && !c10::InferenceMode::is_enabled()) return false;  // locked
-    if (t->sizes() != shape || !t->is_contiguous()) return false;
+    if (t->sizes() != shape || !t->is_contiguous() || !storage_covers(*t)) return false;
   }
+  if (keys->is_alias_of(*values)) return false;  // one storage: the kernel refuses it by name
   PyObject* key_scales = item(d, names.key_scales);
   PyObject* value_scales = item(d, names.value_scales);
   if (key_scales == Py_None && value_scales == Py_None) {
@@ -403,6 +430,10 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
     const std::vector<int64_t> per_token = {batch, kv_heads, capacity};
     for (const at::Tensor* t : {ks, vs}) {
       if (!plain_float(*t) || t->sizes() != per_token || t->requires_grad()) return false;
+    }
+    if (ks->is_alias_of(*vs) || ks->is_alias_of(*keys) || ks->is_alias_of(*values) ||
+        vs->is_alias_of(*keys) || vs->is_alias_of(*values)) {
+      return false;
     }
     call.key_scales = *ks;
     call.value_scales = *vs;
@@ -447,7 +478,10 @@ std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
   }
   if (!read_cache(cache, layer, token->size(0), call)) return std::nullopt;
   PyObject* rope = item(modules, names.rope);
-  if (rope == nullptr || rope == Py_None) {
+  if (rope == nullptr) {  // none: the module's own None (deleted, Python's read would raise)
+    if (item(d, names.rope) != Py_None) return std::nullopt;
+    call.cos = call.sin = *spec.empty;
+  } else if (rope == Py_None) {
     call.cos = call.sin = *spec.empty;
   } else if (!own_rope(rope, layer.hd, call.position, call.cos, call.sin)) {
     return std::nullopt;
@@ -586,6 +620,30 @@ void plan_setup(pybind11::tuple classes, pybind11::tuple as_written, pybind11::t
   spec.forward_ad = kept(forward_ad);
   if (spec.empty == nullptr) spec.empty = new at::Tensor(at::empty({0}));  // never freed
   if (names.d_in == nullptr) make_names();
+  // also the names Python reads through nn.Module.__getattr__ (submodules, parameters,
+  // buffers), which a class attribute of that name would take the place of
+  PyObject* getattribute = intern("__getattribute__");
+  PyObject* getattr = intern("__getattr__");
+  PyObject* const* hooks = names.hooks;
+  fields[kAttention] = {names.d_in, names.d_out, names.num_heads, names.num_kv_heads,
+                        names.context_dim, names.context_length, names.backend, names.causal,
+                        names.training, names.dropout, names.window, names.scale,
+                        names.qk_norm, names.modules, names.rope, names.qkv_proj,
+                        names.out_proj, names.q_norm, names.k_norm, getattribute, getattr};
+  fields[kLinear] = {names.parameters, names.weight, names.bias, hooks[0], hooks[1], hooks[2],
+                     hooks[3], getattribute, getattr};
+  fields[kRope] = {names.buffers, names.cos, names.sin, hooks[0], hooks[1], hooks[2], hooks[3],
+                   getattribute, getattr};
+  fields[kNorm] = {names.parameters, names.weight, names.eps, names.offset, hooks[0], hooks[1],
+                   hooks[2], hooks[3], getattribute, getattr};
+  fields[kCache] = {names.num_kv_heads, names.head_dim, names.batch_size, names.capacity,
+                    names.position, names.block, names.tokens_last, names.window,
+                    names.keys_t, names.values_t, names.key_scales, names.value_scales,
+                    getattribute, intern("__setattr__")};
+  for (int i = 0; i < kWatched; ++i) {
+    class_level[i].clear();
+    for (PyObject* name : fields[i]) class_level[i].push_back(class_lookup(spec.classes[i], name));
+  }
   spec.ready = true;
 }
 

@@ -825,12 +825,30 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
 }
 
 // The checks of decode_step's contract: a RuntimeError naming the argument and its values.
+// The bytes a strided tensor's elements reach in its storage (its offset to its last
+// element), 0 for no elements.
+int64_t reach(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return (last + 1) * static_cast<int64_t>(t.element_size());
+}
+
+// The tensor's storage holds every element its shape reaches (a storage resized in place,
+// untyped_storage().resize_(n), can hold fewer).
+bool storage_covers(const at::Tensor& t) {
+  return t.has_storage() && static_cast<int64_t>(t.storage().nbytes()) >= reach(t);
+}
+
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "decode_step: ", name, " is undefined");
   TORCH_CHECK(t.device().is_cpu(), "decode_step: ", name, " must be on the CPU, got ",
               t.device());
   TORCH_CHECK(t.is_contiguous(), "decode_step: ", name, " must be contiguous, got shape ",
               t.sizes(), " with strides ", t.strides());
+  TORCH_CHECK(storage_covers(t), "decode_step: ", name, " of shape ", t.sizes(),
+              " reaches past its storage (", t.has_storage() ? t.storage().nbytes() : 0,
+              " bytes): its storage was resized in place");
   // a lazily negated (torch._neg_view) or conjugated view: its memory is not its values
   TORCH_CHECK(!t.is_neg() && !t.is_conj(), "decode_step: ", name, " is a lazily negated or "
               "conjugated view: pass t.resolve_neg() / t.resolve_conj()");
