@@ -356,8 +356,8 @@ def test_the_lane_takes_a_call_only_where_the_reference_does(changes, dtype, bat
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-# a class attribute added for a name the lane reads from instances' dictionaries (where
-# Python's reads would run it instead): the lane refuses, whatever the reference does
+# a class attribute added for a name the plans read from instances' dictionaries (where
+# Python's reads would run it instead): the lane refuses, and so does the reference
 SHADOWED = {
     "KVCache.position": (KVCache, "position"),
     "KVCache.batch_size": (KVCache, "batch_size"),
@@ -385,6 +385,7 @@ def test_a_class_attribute_over_a_field_the_lane_reads_is_refused(case, monkeypa
         else:
             monkeypatch.setattr(cls, name, property(lambda self: 0), raising=False)
         assert not takes(m, x, cache)
+        assert plan.native_module(m) is None
         monkeypatch.undo()
         assert takes(m, x, cache)
 

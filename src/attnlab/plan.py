@@ -298,6 +298,8 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
         return None
     if not type(module)._steps_as_written() or not state.keys() <= _fresh_attention_state():
         return None  # a subclass's step; the instance's own step or attribute (forward...)
+    if not _fields_as_read():
+        return None  # a class attribute over a field read below (a property on nn.Linear...)
     layers = state["_modules"]
     if not no_global_hooks() or not linear_code_as_torch_wrote_it():
         return None
@@ -431,6 +433,15 @@ def decode_lane(module: MultiHeadAttention, x: object, cache: object) -> torch.T
     """
     lane = _lane()
     return None if lane is None else lane(module, x, cache)
+
+
+def _fields_as_read() -> bool:
+    """True when the native step is built and no watched class (MultiHeadAttention,
+    nn.Linear and nn.Module, RotaryEmbedding, RMSNorm, KVCache) holds a class attribute over
+    a field the plans read from instances' dictionaries (a property Python's reads would
+    run instead), nor another __getattribute__ or __getattr__: the extension's check, made
+    again only when a class changes (csrc/decode_plan.h)."""
+    return _lane() is not None and decode_cpu.binding().classes_as_written()
 
 
 @functools.cache

@@ -647,7 +647,13 @@ void plan_setup(pybind11::tuple classes, pybind11::tuple as_written, pybind11::t
   spec.ready = true;
 }
 
+// classes_as_written for plan.py's own native step (the reference reads the same fields
+// from instances' dictionaries): False before plan_setup
+bool watched_classes_as_written() { return spec.ready && classes_as_written(); }
+
 void bind_plan(pybind11::module_& m) {
+  m.def("classes_as_written", &watched_classes_as_written,
+        "every watched class runs its own code, no class attribute over a field read");
   m.def("plan_setup", &plan_setup, "plan.py's references for the lane, once per process");
   m.def("decode_lane", &decode_lane, "module(x, cache=cache) by the native step, or None",
         pybind11::arg("module"), pybind11::arg("x"), pybind11::arg("cache"));
