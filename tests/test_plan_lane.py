@@ -39,6 +39,17 @@ def filled(m, batch=2, tokens=5, **cache_kwargs):
     return cache
 
 
+def taken_layer():
+    """A layer with rope and per-head norms, its filled cache and a token, which the lane
+    takes (asserted)."""
+    m = build(rope=True, qk_norm="head")
+    cache = filled(m)
+    x = torch.randn(2, 1, 16)
+    with torch.no_grad():
+        assert takes(m, x, cache)
+    return m, cache, x
+
+
 def reference_takes(m, x, cache):
     """plan.native_decode's verdict, None where forward would raise first."""
     try:
@@ -165,11 +176,8 @@ PATCHED = {
 @pytest.mark.parametrize("case", sorted(PATCHED))
 def test_a_class_patched_after_the_lane_read_it_is_seen_and_its_undo_too(case, monkeypatch):
     cls, name = PATCHED[case]
-    m = build(rope=True, qk_norm="head")
-    cache = filled(m)
-    x = torch.randn(2, 1, 16)
+    m, cache, x = taken_layer()  # the tags read and trusted
     with torch.no_grad():
-        assert takes(m, x, cache)  # the tags read and trusted
         original = cls.__dict__[name]
         monkeypatch.setattr(
             cls,
@@ -222,11 +230,8 @@ INSTANCE = {
 
 @pytest.mark.parametrize("case", sorted(INSTANCE))
 def test_a_changed_instance_is_refused(case):
-    m = build(rope=True, qk_norm="head")
-    cache = filled(m)
-    x = torch.randn(2, 1, 16)
+    m, cache, x = taken_layer()
     with torch.no_grad():
-        assert takes(m, x, cache)
         INSTANCE[case](m, cache, x)
         assert not takes(m, x, cache)
 
@@ -374,11 +379,8 @@ SHADOWED = {
 @pytest.mark.parametrize("case", sorted(SHADOWED))
 def test_a_class_attribute_over_a_field_the_lane_reads_is_refused(case, monkeypatch):
     cls, name = SHADOWED[case]
-    m = build(rope=True, qk_norm="head")
-    cache = filled(m)
-    x = torch.randn(2, 1, 16)
+    m, cache, x = taken_layer()
     with torch.no_grad():
-        assert takes(m, x, cache)
         if name == "__getattr__":
             original = nn.Module.__getattr__
             monkeypatch.setattr(cls, name, lambda self, key: original(self, key))
