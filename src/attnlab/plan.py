@@ -31,7 +31,7 @@ replaced, a parameter swapped or reshaped, a hook added, the rope tables, dtype,
 autocast, grad mode) can go unseen, and the checks cost a few attribute reads.
 
 The decode step's plan is also read in C++ (decode_lane, csrc/decode_plan.h), where its
-checks cost about a microsecond instead of ~25: forward asks it first for a one-token cached
+checks cost about 2 us instead of about 25: forward asks it first for a one-token cached
 call, and what it does not take goes on to forward's checks and native_decode here, which
 stay the reference it is tested against (it takes a call only where they would).
 """

@@ -4,7 +4,7 @@
 // take the native step and forward's checks would pass, and if so the step itself, in one
 // call. The same questions asked in Python cost ~25 us per token and layer (a tiny layer's
 // whole step is ~8); asked here, of the objects' own dictionaries and tensors, they cost
-// about a microsecond.
+// about 2 us (a verdict with its binding, scripts/fixed_cost_parts.py).
 //
 // This is a stricter copy of the allow-list in attnlab/plan.py, which stays the reference:
 // it takes a call only when every condition native_decode states holds and, beyond them,
