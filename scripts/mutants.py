@@ -78,6 +78,7 @@ PLAN_TESTS = (
     "tests/test_decode_cpu.py",
     "tests/test_matvec.py",
     "tests/test_plan_differential.py",
+    "tests/test_plan_lane.py",
 )
 # a subprocess rebuilding the kernel with other flags (22 s): the plan is the same there
 PLAN_DESELECT = ("tests/test_decode_cpu.py::test_the_avx2_build_passes_the_native_tests_too",)
