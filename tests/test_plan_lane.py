@@ -420,6 +420,21 @@ def test_a_deleted_rope_is_the_modules_own_error_on_every_path():
             m(torch.randn(2, 1, 16), cache=cache)
 
 
+def test_a_rope_set_to_none_after_construction_decodes_natively_without_one():
+    """m.rope = None on a module built with rope (nn.Module keeps None in _modules): no
+    rotary positions on every path, and both plans take the native step."""
+    m = build(rope=True)
+    m.rope = None
+    twin = copy.deepcopy(m)
+    twin.python_path = True
+    x = torch.randn(2, 1, 16)
+    cache, twin_cache = filled(m), filled(twin)
+    twin_cache.__dict__.update(copy.deepcopy(cache.__dict__))  # the same tokens held
+    with torch.no_grad():
+        assert takes(m, x, cache) and plan.native_module(m) is not None
+        torch.testing.assert_close(m(x, cache=cache), twin(x, cache=twin_cache))
+
+
 def test_keys_and_values_in_one_storage_are_refused():
     m = build()
     cache = filled(m)

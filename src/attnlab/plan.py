@@ -310,7 +310,7 @@ def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     if qkv_weight is None or out_weight is None:
         return None
     rope = layers.get("rope")
-    if rope is None and "rope" not in layers and state.get("rope", 0) is not None:
+    if "rope" not in layers and state.get("rope", 0) is not None:
         return None  # deleted: the module's own read of it raises
     none = decode_cpu.EMPTY
     cos, sin = (none, none) if rope is None else _own_rope_tables(rope, head_dim)
