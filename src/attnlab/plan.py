@@ -49,8 +49,8 @@ from torch.nn.modules import linear as _linear
 from torch.nn.modules import module as _module
 
 from attnlab import debug, decode_cpu, matvec
-from attnlab import kv_cache as kv_cache_
 from attnlab.kv_cache import KVCache
+from attnlab.kv_cache import code_as_written as cache_code_as_written
 from attnlab.norms import RMSNorm
 from attnlab.norms import code_as_written as norm_code_as_written
 from attnlab.rope import RotaryEmbedding
@@ -117,13 +117,15 @@ def no_active_modes() -> bool:
 
 @functools.cache
 def _fresh_state(module_class: type) -> frozenset[str]:
-    """The instance attributes a freshly made module of `module_class` holds (nn.Linear,
-    attnlab's RotaryEmbedding and RMSNorm): anything beyond them is the user's or a tool's."""
+    """The instance attributes a freshly made object of `module_class` holds (nn.Linear,
+    attnlab's RotaryEmbedding and RMSNorm, KVCache): anything beyond them is the user's or a
+    tool's."""
     # on meta: no random draw (the first forward's dropout stays what the seed gives)
     fresh = {
         nn.Linear: lambda: nn.Linear(1, 1, device="meta"),
         RotaryEmbedding: lambda: RotaryEmbedding(2, 1),
         RMSNorm: lambda: RMSNorm(1, device="meta"),
+        KVCache: lambda: KVCache(1, 1, 1, 1, device="meta"),
     }[module_class]()
     return frozenset(fresh.__dict__)
 
@@ -460,14 +462,14 @@ def _lane():
             linear_code_as_torch_wrote_it,
             rope_code_as_written,
             norm_code_as_written,
-            kv_cache_.code_as_written,
+            cache_code_as_written,
         ),
         (
             _fresh_attention_state(),
             _fresh_state(nn.Linear),
             _fresh_state(RotaryEmbedding),
             _fresh_state(RMSNorm),
-            frozenset(KVCache(1, 1, 1, 1).__dict__),
+            _fresh_state(KVCache),
         ),
         nn.Parameter,
         torch.Tensor,
