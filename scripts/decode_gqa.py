@@ -6,9 +6,11 @@ Each step calls the native op directly for every layer (decode_cpu's binding, no
 call, no plan) at the same slot, so the caches never move; it runs on one thread and is
 timed in that thread's CPU time (time.thread_time), the least of `rounds` steps after one
 warm-up: a figure that a loaded machine disturbs less than wall time (it still shares the
-caches and memory bandwidth). Compare a change to the kernel with the source before it,
-built beside it (its op registered under another name) and timed in the same process,
-round by round in turn (`--baseline`), or with the figures of an earlier run (`--compare`):
+caches and memory bandwidth). With `--threads N` above 1 it runs on N threads, timed in wall
+time (the other threads' work is not the calling thread's CPU time). Compare a change to
+the kernel with the source before it, built beside it (its op registered under another
+name) and timed in the same process, round by round in turn (`--baseline`), or with the
+figures of an earlier run (`--compare`):
 
     git show HEAD:src/attnlab/csrc/decode_step.cpp > /tmp/before.cpp
     python scripts/decode_gqa.py --baseline /tmp/before.cpp
@@ -17,7 +19,7 @@ round by round in turn (`--baseline`), or with the figures of an earlier run (`-
 
 Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
     [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]
-    [--compare BEFORE.json] [--baseline BEFORE.cpp]
+    [--compare BEFORE.json] [--baseline BEFORE.cpp] [--threads N]
 """
 
 from __future__ import annotations
@@ -105,16 +107,16 @@ def stack_step(num_kv_heads: int, batch: int, context: int, cache_dtype: torch.d
     return [step_of(op) for op in ops]
 
 
-def least_cpu_seconds(steps, rounds: int) -> list[float]:
-    """Each step's least thread CPU time over `rounds`, the steps taken in turn each round."""
+def least_seconds(steps, rounds: int, clock=time.thread_time) -> list[float]:
+    """Each step's least time by `clock` over `rounds`, the steps taken in turn each round."""
     for step in steps:
         step()  # warm-up
     best = [float("inf")] * len(steps)
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            start = time.thread_time()
+            start = clock()
             step()
-            best[i] = min(best[i], time.thread_time() - start)
+            best[i] = min(best[i], clock() - start)
     return best
 
 
@@ -128,23 +130,27 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--compare", help="figures of an earlier run (--json) to compare with")
     parser.add_argument("--baseline", help="another decode_step.cpp, timed in turn with this one")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="threads; above 1, the step's wall time"
+    )
     args = parser.parse_args()
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
-    torch.set_num_threads(1)  # one thread: its CPU time is the step's
+    torch.set_num_threads(args.threads)  # one thread: its CPU time is the step's
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     before = json.loads(Path(args.compare).read_text()) if args.compare else {}
     ops = [decode_cpu._op()] + ([baseline_op(args.baseline)] if args.baseline else [])
     figures = {}
+    timed = "one thread's CPU time" if args.threads == 1 else f"{args.threads} threads' wall time"
     print(
-        f"ms per step ({LAYERS} layers, one thread's CPU time, least of {args.rounds}), "
-        f"{args.cache_dtype} cache"
+        f"ms per step ({LAYERS} layers, {timed}, least of {args.rounds}), {args.cache_dtype} cache"
     )
     for num_kv_heads in args.kv_heads:
         for batch in args.batches:
             for context in args.contexts:
                 key = f"{args.cache_dtype} kv={num_kv_heads} b={batch} t={context}"
                 steps = stack_step(num_kv_heads, batch, context, DTYPES[args.cache_dtype], ops)
-                times = [s * 1e3 for s in least_cpu_seconds(steps, args.rounds)]
+                times = [s * 1e3 for s in least_seconds(steps, args.rounds, clock)]
                 ms = figures[key] = times[0]
                 line = f"{key:<32} {ms:9.2f}"
                 if len(times) > 1:
