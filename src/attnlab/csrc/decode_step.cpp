@@ -345,6 +345,16 @@ inline Vec load(const T* p) {
 }
 #endif
 
+// The first `count` (< Vec::size()) values at p widened, the other lanes 0: the last keys
+// or values of a segment, fewer than a vector (AVX-512 reads float32 with a mask).
+inline Vec load_part(const float* p, int64_t count) { return Vec::loadu(p, count); }
+template <typename T>
+inline Vec load_part(const T* p, int64_t count) {
+  float lanes[Vec::size()] = {};
+  for (int64_t l = 0; l < count; ++l) lanes[l] = widen(p[l]);
+  return Vec::loadu(lanes);
+}
+
 // y += a[0] x[0] + ... + a[3] x[3]: four rows of the cache read side by side
 template <typename T>
 void axpy4(const float* a, const T* const* x, float* y, int64_t n) {
@@ -531,13 +541,18 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
       t += rest;
     }
   }
-  for (; t < m; ++t) {
+  if (t < m) {  // the last keys, fewer than a vector: one vector, its other lanes 0
+    const int64_t rest = m - t;
+    Vec a[G];
     ATTNLAB_UNROLL
-    for (int i = 0; i < G; ++i) {
-      float total = 0.0f;
-      for (int64_t d = 0; d < hd; ++d) total += q[i * hd + d] * widen(k[d * cap + t]);
-      scores[i * n + t] = total;
+    for (int i = 0; i < G; ++i) a[i] = Vec(0.0f);
+    for (int64_t d = 0; d < hd; ++d) {
+      const Vec kv = load_part(k + d * cap + t, rest);
+      ATTNLAB_UNROLL
+      for (int i = 0; i < G; ++i) a[i] = at::vec::fmadd(Vec(q[i * hd + d]), kv, a[i]);
     }
+    ATTNLAB_UNROLL
+    for (int i = 0; i < G; ++i) a[i].store(scores + i * n + t, rest);
   }
 }
 
@@ -567,6 +582,18 @@ void grouped_values(const float* p, int64_t n, const T* v, int64_t cap, int64_t 
       for (int e = 0; e < R; ++e) a[i][e] = at::vec::fmadd(pv, x[e], a[i][e]);
     }
   }
+  if (t < m) {  // the last values, fewer than a vector: their lanes, the others 0
+    const int64_t rest = m - t;
+    Vec x[R];
+    ATTNLAB_UNROLL
+    for (int e = 0; e < R; ++e) x[e] = load_part(v + e * cap + t, rest);
+    ATTNLAB_UNROLL
+    for (int i = 0; i < G; ++i) {
+      const Vec pv = Vec::loadu(p + i * n + t, rest);
+      ATTNLAB_UNROLL
+      for (int e = 0; e < R; ++e) a[i][e] = at::vec::fmadd(pv, x[e], a[i][e]);
+    }
+  }
   float sums[G * R + 4];  // sums[R i + e]: head i, row e
   if constexpr (R == 4) {
     ATTNLAB_UNROLL
@@ -581,11 +608,7 @@ void grouped_values(const float* p, int64_t n, const T* v, int64_t cap, int64_t 
   ATTNLAB_UNROLL
   for (int i = 0; i < G; ++i) {
     ATTNLAB_UNROLL
-    for (int e = 0; e < R; ++e) {
-      float s = sums[R * i + e];
-      for (int64_t u = t; u < m; ++u) s += p[i * n + u] * widen(v[e * cap + u]);
-      out[i * stride + e] += s;
-    }
+    for (int e = 0; e < R; ++e) out[i * stride + e] += sums[R * i + e];
   }
 }
 
