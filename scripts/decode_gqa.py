@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
-    torch.set_num_threads(args.threads)  # one thread: its CPU time is the step's
+    torch.set_num_threads(args.threads)  # with one, the thread's CPU time is the step's
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     before = json.loads(Path(args.compare).read_text()) if args.compare else {}
     ops = [decode_cpu._op()] + ([baseline_op(args.baseline)] if args.baseline else [])
