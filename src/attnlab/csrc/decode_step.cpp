@@ -850,7 +850,6 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   a.merge(batch, attn);
 }
 
-// The checks of decode_step's contract: a RuntimeError naming the argument and its values.
 // The bytes a strided tensor's elements reach in its storage (its offset to its last
 // element), 0 for no elements.
 int64_t reach(const at::Tensor& t) {
@@ -866,6 +865,7 @@ bool storage_covers(const at::Tensor& t) {
   return t.has_storage() && static_cast<int64_t>(t.storage().nbytes()) >= reach(t);
 }
 
+// The checks of decode_step's contract: a RuntimeError naming the argument and its values.
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "decode_step: ", name, " is undefined");
   TORCH_CHECK(t.device().is_cpu(), "decode_step: ", name, " must be on the CPU, got ",
