@@ -160,13 +160,16 @@ def test_the_native_step_attends_to_the_tokens_it_stored(dtype, num_kv_heads, ro
 def model_sized_steps(draw):
     """Model-sized steps: 12 query heads, head dims up to 64 and contexts up to 1,600
     tokens, long enough for every vector width's loops, the key chunks split over the
-    threads, and the blocks of query heads summed in registers (up to 12 at a time)."""
+    threads, and the blocks of query heads summed in registers (up to 12 at a time); up to
+    9 sequences, so that the projections take their rows of x four, two and one at a time,
+    over widths with and without a last part shorter than a vector."""
     return dict(
         seed=draw(st.integers(0, 2**31 - 1)),
         num_kv_heads=draw(st.sampled_from([12, 6, 4, 3, 2, 1])),
         head_dim=draw(st.sampled_from([4, 12, 16, 64])),
         held=draw(st.integers(0, 1600)),
-        batch=draw(st.integers(1, 2)),
+        batch=draw(st.integers(1, 9)),
+        d_in=draw(st.sampled_from([16, 37, 100])),
         window=draw(st.one_of(st.none(), st.integers(1, 900))),
         dtype=draw(st.sampled_from(DTYPES)),
     )
@@ -181,10 +184,10 @@ def test_a_model_sized_native_step_equals_float64_attention_over_the_cache(c):
     torch.manual_seed(c["seed"])
     b, hd, hkv, held, window = c["batch"], c["head_dim"], c["num_kv_heads"], c["held"], c["window"]
     m = MultiHeadAttention(
-        16, 12 * hd, held + 1, 0.0, 12, num_kv_heads=hkv, rope=True, window=window
+        c["d_in"], 12 * hd, held + 1, 0.0, 12, num_kv_heads=hkv, rope=True, window=window
     ).eval()
     cache = m.make_cache(b, dtype=c["dtype"])
-    x = torch.randn(b, 1, 16)
+    x = torch.randn(b, 1, c["d_in"])
     with torch.no_grad():
         if held:
             cache.update(torch.randn(b, hkv, held, hd), torch.randn(b, hkv, held, hd))

@@ -61,6 +61,11 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
 constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kRegisters = 32;  // vector registers
+#else
+constexpr int kRegisters = 16;
+#endif
 // floats a thread must have to read before a parallel region pays for itself: starting one
 // (waking the other threads, joining them) costs microseconds, and a tiny layer's whole
 // step is a few of them; below this, work items run on the calling thread, and the other
@@ -144,51 +149,51 @@ inline void sum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, flo
 #endif
 }
 
-// y[r, j..j+4) = x[r] . w[j..j+4) for rows r0 and r0 + 1 (`two`): four weight rows read
-// side by side against two rows of x, eight sums in registers (a weight or x load per 1.3
-// multiply-adds; one row of x against one weight row is two loads per multiply-add).
-template <bool two>
-void dot4x2(const float* x0, const float* x1, const float* w, int64_t in, float* sums,
-            const float* next, int64_t next_rows) {
+// sums[r * kRows + k] = x[r] . w[k] for R rows of x (`in` apart) and kRows weight rows read
+// side by side, 4 R sums in registers: R = 4 keeps 16 independent multiply-add chains in
+// flight (two FMA units of latency 4 need 8) with a load per two multiply-adds. Each
+// iteration also prefetches the same line of `next_rows` rows of the next block.
+template <int R>
+void dot_rows(const float* x, const float* w, int64_t in, float* sums, const float* next,
+              int64_t next_rows) {
   const int64_t n = Vec::size();
-  const float* w0 = w;
-  const float* w1 = w + in;
-  const float* w2 = w + 2 * in;
-  const float* w3 = w + 3 * in;
-  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
+  Vec a[R][kRows];
+  ATTNLAB_UNROLL
+  for (int r = 0; r < R; ++r) {
+    ATTNLAB_UNROLL
+    for (int k = 0; k < kRows; ++k) a[r][k] = Vec(0.0f);
+  }
   int64_t i = 0;
   for (; i + n <= in; i += n) {
 #if defined(ATTNLAB_X86)
-    if (next && i % 16 == 0) {  // the same line of `next_rows` rows of the next block
+    if (next && i % 16 == 0) {
       for (int64_t k = 0; k < next_rows; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(next + k * in + i), _MM_HINT_T0);
       }
     }
 #endif
-    const Vec v0 = Vec::loadu(w0 + i), v1 = Vec::loadu(w1 + i), v2 = Vec::loadu(w2 + i),
-              v3 = Vec::loadu(w3 + i);
-    const Vec xa = Vec::loadu(x0 + i);
-    a0 = at::vec::fmadd(xa, v0, a0);
-    a1 = at::vec::fmadd(xa, v1, a1);
-    a2 = at::vec::fmadd(xa, v2, a2);
-    a3 = at::vec::fmadd(xa, v3, a3);
-    if (two) {
-      const Vec xb = Vec::loadu(x1 + i);
-      b0 = at::vec::fmadd(xb, v0, b0);
-      b1 = at::vec::fmadd(xb, v1, b1);
-      b2 = at::vec::fmadd(xb, v2, b2);
-      b3 = at::vec::fmadd(xb, v3, b3);
+    Vec v[kRows];
+    ATTNLAB_UNROLL
+    for (int k = 0; k < kRows; ++k) v[k] = Vec::loadu(w + k * in + i);
+    ATTNLAB_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const Vec xr = Vec::loadu(x + r * in + i);
+      ATTNLAB_UNROLL
+      for (int k = 0; k < kRows; ++k) a[r][k] = at::vec::fmadd(xr, v[k], a[r][k]);
     }
   }
-  sum4(a0, a1, a2, a3, sums);
-  if (two) sum4(b0, b1, b2, b3, sums + kRows);
+  ATTNLAB_UNROLL
+  for (int r = 0; r < R; ++r) sum4(a[r][0], a[r][1], a[r][2], a[r][3], sums + r * kRows);
   for (; i < in; ++i) {
-    for (int64_t k = 0; k < kRows; ++k) {
-      sums[k] += x0[i] * w[k * in + i];
-      if (two) sums[4 + k] += x1[i] * w[k * in + i];
+    for (int r = 0; r < R; ++r) {
+      for (int64_t k = 0; k < kRows; ++k) sums[r * kRows + k] += x[r * in + i] * w[k * in + i];
     }
   }
 }
+
+// Rows of x per pass over a block of weight rows: their 4 R sums, the block's kRows vectors
+// and one of x in registers.
+constexpr int kXRows = 4 * 4 + kRows + 1 <= kRegisters ? 4 : 2;
 
 // y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory,
 // in blocks of four rows that stay in L1 while every row of x (in L1 too) meets them; the next
@@ -198,31 +203,37 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
   const int64_t blocks = out / kRows;
   at::parallel_for(0, blocks, std::max<int64_t>(8, grain_for(kRows * in)), [&](int64_t begin,
                                                                               int64_t end) {
-    float sums[2 * kRows];
+    float sums[kXRows * kRows];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t j = blk * kRows;
       const float* block = w + j * in;
       const float* next = blk + 1 < end ? block + kRows * in : nullptr;  // prefetched
-      // the next block's rows prefetched over the passes (one per pair of x's rows), so
+      // the next block's rows prefetched over the passes (one per kXRows rows of x), so
       // that reads stay in flight while the block in L1 meets every row of x
-      const int64_t passes = (rows + 1) / 2;
+      const int64_t passes = (rows + kXRows - 1) / kXRows;
       auto next_of = [&](int64_t pass) { return next ? next + pass * kRows / passes * in : nullptr; };
       auto count_of = [&](int64_t pass) {
         return (pass + 1) * kRows / passes - pass * kRows / passes;
       };
-      int64_t r = 0;
-      for (; r + 2 <= rows; r += 2) {
-        dot4x2<true>(x + r * in, x + (r + 1) * in, block, in, sums, next_of(r / 2),
-                     count_of(r / 2));
-        for (int64_t k = 0; k < kRows; ++k) {
-          const float b = bias ? bias[j + k] : 0.0f;
-          y[r * out + j + k] = sums[k] + b;
-          y[(r + 1) * out + j + k] = sums[kRows + k] + b;
+      for (int64_t r = 0, pass = 0; r < rows; ++pass) {
+        const int64_t taken = std::min<int64_t>(kXRows, rows - r);
+        auto pass_with = [&](auto R) {
+          dot_rows<decltype(R)::value>(x + r * in, block, in, sums, next_of(pass), count_of(pass));
+        };
+        if (taken == kXRows) {
+          pass_with(std::integral_constant<int, kXRows>{});
+        } else if (taken >= 2) {
+          pass_with(std::integral_constant<int, 2>{});
+        } else {
+          pass_with(std::integral_constant<int, 1>{});
         }
-      }
-      if (r < rows) {
-        dot4x2<false>(x + r * in, nullptr, block, in, sums, next_of(r / 2), count_of(r / 2));
-        for (int64_t k = 0; k < kRows; ++k) y[r * out + j + k] = sums[k] + (bias ? bias[j + k] : 0.0f);
+        const int64_t done = taken == kXRows ? kXRows : (taken >= 2 ? 2 : 1);
+        for (int64_t q = 0; q < done; ++q) {
+          for (int64_t k = 0; k < kRows; ++k) {
+            y[(r + q) * out + j + k] = sums[q * kRows + k] + (bias ? bias[j + k] : 0.0f);
+          }
+        }
+        r += done;
       }
     }
   });
@@ -478,11 +489,6 @@ struct Prefetcher {
 // (scripts/decode_gqa.py --baseline --threads 2, multi-query batch 8: 4% to 8% faster in
 // float32, 7% to 13% in bfloat16, int8 within 3%).
 constexpr int kGroupBlock = 6;
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kRegisters = 32;  // vector registers
-#else
-constexpr int kRegisters = 16;
-#endif
 constexpr int64_t kMaxGroupedChunk = 512;  // keys per work item, at most, in registers
 
 // Key vectors per step of grouped_scores for G query heads: as many as fit in registers with

@@ -1,0 +1,80 @@
+// Timing loops over the native decode step's kernels (scripts/decode_kernel_rates.py appends
+// this file to a copy of src/attnlab/csrc/decode_step.cpp, whose anonymous namespace it
+// reaches). Each loop runs on the calling thread and returns GFLOP per second.
+#include <chrono>
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// A group of `groups` query heads attending to `keys` tokens of one key/value head, `rounds`
+// times, each round on the next of `heads` heads' blocks (hd x keys keys, then as many
+// values; heads = 1: the same block every round, read from L2), with the op's prefetches:
+// the block's values while its scores are summed, the next head's keys while its values are.
+double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
+  const int64_t hd = 64, span = hd * keys;
+  std::vector<float> k(heads * span, 0.01f), v(heads * span, 0.02f), q(groups * hd, 0.5f);
+  std::vector<float> scores(groups * keys, 0.1f), out(groups * (hd + 2), 0.0f);
+  Prefetcher ahead;
+  auto score_ticks = [&] {
+    int64_t ticks = 0;
+    for (int64_t i = 0; i < groups; i += kGroupBlock) {
+      with_group_block(groups - i, [&](auto G) {
+        ticks += hd * std::max<int64_t>(1, keys / (key_vectors<decltype(G)::value>() * Vec::size()));
+      });
+    }
+    return ticks;
+  }();
+  auto value_ticks = [&] {
+    int64_t ticks = 0;
+    for (int64_t i = 0; i < groups; i += kGroupBlock) {
+      with_group_block(groups - i, [&](auto G) {
+        ticks += hd / value_rows<decltype(G)::value>() * std::max<int64_t>(1, keys / Vec::size());
+      });
+    }
+    return ticks;
+  }();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) {
+    const float* k_head = k.data() + (r % heads) * span;
+    const float* v_head = v.data() + (r % heads) * span;
+    ahead.start(v_head, heads > 1 ? span : 0, score_ticks);
+    for (int64_t i = 0; i < groups; i += kGroupBlock) {
+      with_group_block(groups - i, [&](auto G) {
+        grouped_scores<decltype(G)::value>(q.data() + i * hd, hd, k_head, keys, keys,
+                                scores.data() + i * keys, keys, ahead);
+      });
+    }
+    ahead.start(k.data() + ((r + 1) % heads) * span, heads > 1 ? span : 0, value_ticks);
+    for (int64_t i = 0; i < groups; i += kGroupBlock) {
+      with_group_block(groups - i, [&](auto G) {
+        constexpr int R = value_rows<decltype(G)::value>();
+        for (int64_t d = 0; d < hd; d += R) {
+          grouped_values<decltype(G)::value>(scores.data() + i * keys, keys, v_head + d * keys, keys, keys,
+                                  out.data() + i * (hd + 2) + d, hd + 2, ahead);
+        }
+      });
+    }
+  }
+  return 4.0 * groups * hd * keys * rounds / seconds_since(start) / 1e9;
+}
+
+// The projection of `rows` tokens through (out, in) weights, `rounds` times, each round on
+// the next of `copies` copies of the weights.
+double projection(int64_t rows, int64_t in, int64_t out, int64_t copies, int64_t rounds) {
+  std::vector<float> w(copies * out * in, 0.01f), x(rows * in, 0.5f), y(rows * out);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) {
+    project(x.data(), rows, in, w.data() + (r % copies) * out * in, nullptr, out, y.data());
+  }
+  return 2.0 * rows * in * out * rounds / seconds_since(start) / 1e9;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
+  m.def("projection", &projection, py::call_guard<py::gil_scoped_release>());
+}
