@@ -195,12 +195,22 @@ void dot_rows(const float* x, const float* w, int64_t in, float* sums, const flo
 // and one of x in registers.
 constexpr int kXRows = 4 * 4 + kRows + 1 <= kRegisters ? 4 : 2;
 
+// Rows of x the next pass takes, of `left`: kXRows, else 2, else 1.
+inline int64_t pass_rows(int64_t left) { return left >= kXRows ? kXRows : (left >= 2 ? 2 : 1); }
+
+// Passes over a block of weight rows for `rows` rows of x.
+inline int64_t passes_over(int64_t rows) {
+  int64_t passes = 0;
+  for (int64_t left = rows; left > 0; left -= pass_rows(left)) ++passes;
+  return passes;
+}
+
 // y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory,
 // in blocks of four rows that stay in L1 while every row of x (in L1 too) meets them; the next
 // block is prefetched while one is used.
 void project(const float* x, int64_t rows, int64_t in, const float* w, const float* bias,
              int64_t out, float* y) {
-  const int64_t blocks = out / kRows;
+  const int64_t blocks = out / kRows, passes = passes_over(rows);
   at::parallel_for(0, blocks, std::max<int64_t>(8, grain_for(kRows * in)), [&](int64_t begin,
                                                                               int64_t end) {
     float sums[kXRows * kRows];
@@ -208,32 +218,30 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
       const int64_t j = blk * kRows;
       const float* block = w + j * in;
       const float* next = blk + 1 < end ? block + kRows * in : nullptr;  // prefetched
-      // the next block's rows prefetched over the passes (one per kXRows rows of x), so
-      // that reads stay in flight while the block in L1 meets every row of x
-      const int64_t passes = (rows + kXRows - 1) / kXRows;
+      // the next block's rows prefetched over the passes, so that reads stay in flight while
+      // the block in L1 meets every row of x
       auto next_of = [&](int64_t pass) { return next ? next + pass * kRows / passes * in : nullptr; };
       auto count_of = [&](int64_t pass) {
         return (pass + 1) * kRows / passes - pass * kRows / passes;
       };
       for (int64_t r = 0, pass = 0; r < rows; ++pass) {
-        const int64_t taken = std::min<int64_t>(kXRows, rows - r);
+        const int64_t taken = pass_rows(rows - r);
         auto pass_with = [&](auto R) {
           dot_rows<decltype(R)::value>(x + r * in, block, in, sums, next_of(pass), count_of(pass));
         };
         if (taken == kXRows) {
           pass_with(std::integral_constant<int, kXRows>{});
-        } else if (taken >= 2) {
+        } else if (taken == 2) {
           pass_with(std::integral_constant<int, 2>{});
         } else {
           pass_with(std::integral_constant<int, 1>{});
         }
-        const int64_t done = taken == kXRows ? kXRows : (taken >= 2 ? 2 : 1);
-        for (int64_t q = 0; q < done; ++q) {
+        for (int64_t q = 0; q < taken; ++q) {
           for (int64_t k = 0; k < kRows; ++k) {
             y[(r + q) * out + j + k] = sums[q * kRows + k] + (bias ? bias[j + k] : 0.0f);
           }
         }
-        r += done;
+        r += taken;
       }
     }
   });
