@@ -13,6 +13,8 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // times, each round on the next of `heads` heads' blocks (hd x keys keys, then as many
 // values; heads = 1: the same block every round, read from L2), with the op's prefetches:
 // the block's values while its scores are summed, the next head's keys while its values are.
+// This mirrors Attend::item's loop over blocks of query heads rather than calling it, so that
+// --baseline also builds versions of decode_step.cpp from before a refactor of that loop.
 double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
   const int64_t hd = 64, span = hd * keys;
   std::vector<float> k(heads * span, 0.01f), v(heads * span, 0.02f), q(groups * hd, 0.5f);
