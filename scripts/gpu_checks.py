@@ -10,6 +10,9 @@ Checks, each printed with its largest difference:
 - A static-cache decode step captured in one CUDA graph
   (torch.compile(mode="reduce-overhead", fullgraph=True)) equal to the eager steps.
 
+And, as information, which SDPA backend a static-cache decode step's call picks on the card
+(report_decode_backends).
+
 Usage: python scripts/gpu_checks.py   (exits 1 on any failed check)
 """
 
@@ -112,6 +115,30 @@ def check_graph() -> None:
     report("decode static, CUDA graph vs eager", outputs[1], outputs[0], 3e-2)
 
 
+def report_decode_backends() -> None:
+    """Which SDPA backend a one-token step over a static cache picks here (information, not a
+    check): 12 query heads of 64 over 12 or 4 key/value heads, a bool mask over a capacity
+    of 4112, bfloat16 on a GPU, with the strides attnlab's step and the gpt-fast-style peer
+    both pass (q a view of the fused projection, the cache's buffers whole). On the H200 on
+    2026-11-27 (torch 2.11) the peer's own eager step took 1.6-1.75x as long with 4 key/value
+    heads as with 12, though it reads less: a fallback to the math backend would do that."""
+    from torch.nn.attention import SDPBackend
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    h, hd, cap = 12, 64, 4112  # query heads, head_dim, capacity
+    options = {"device": DEVICE, "dtype": dtype}
+    for kv_heads in (12, 4):
+        qkv = torch.randn(1, 1, (h + 2 * kv_heads) * hd, **options)  # (1, 1, fused rows)
+        q = qkv[..., : h * hd].view(1, 1, h, hd).transpose(1, 2)  # (1, h, 1, hd)
+        k = torch.randn(1, kv_heads, cap, hd, **options)  # (1, hkv, cap, hd)
+        v = torch.randn_like(k)
+        mask = (torch.arange(cap, device=DEVICE) < 1000).view(1, 1, 1, cap)  # (1, 1, 1, cap)
+        choice = torch._fused_sdp_choice(
+            q, k, v, mask, 0.0, False, scale=None, enable_gqa=kv_heads != h
+        )
+        print(f"info decode step's SDPA, 12/{kv_heads} heads, bool mask: {SDPBackend(choice).name}")
+
+
 def main() -> int:
     card = torch.cuda.get_device_name() if DEVICE == "cuda" else "none (a CPU dry run)"
     print("torch", torch.__version__, "card", card)
@@ -124,6 +151,7 @@ def main() -> int:
             except RuntimeError as error:  # a sync refused by the debug mode, or another
                 print(f"FAIL decode {'static' if static else 'dynamic'} {dtype}: {error}")
                 FAILED.append(f"decode {dtype} static={static}")
+    report_decode_backends()
     try:
         if DEVICE == "cuda":
             check_graph()
