@@ -28,8 +28,8 @@ def tensors(draw):
     shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
     dtype = draw(st.sampled_from(DTYPES))
     scale = draw(st.sampled_from((1e-3, 1.0, 1e3)))
-    base = torch.randn(tuple(2 * s for s in shape), dtype=torch.float64) * scale
-    t = base[tuple(slice(None, None, 2) for _ in shape)].to(dtype)  # strided view's values
+    base = (torch.randn(tuple(2 * s for s in shape), dtype=torch.float64) * scale).to(dtype)
+    t = base[tuple(slice(None, None, 2) for _ in shape)]  # every other element: strided
     if draw(st.booleans()) and t.dim() >= 2:
         t = t.transpose(0, -1)
     for _ in range(draw(st.integers(0, 2)) if t.numel() else 0):
