@@ -7,6 +7,12 @@
 # measured. OUT/machine.txt holds torch's version and the card's name.
 # Usage: scripts/gpu_figures.sh [OUT]   (default gpu-figures/; run from the repository root
 # with attnlab installed in .venv)
+# Where attnlab is not installed but the card's python3 holds torch (as on this project's
+# lent machines, 2026-11-27), with transformers' wheel carried in .whl/:
+#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD/src
+#   python3 scripts/gpu_checks.py > OUT/checks.txt 2>&1; PYTHON=python3 scripts/gpu_figures.sh OUT
+# (about 9.5 minutes in all; the two together fill the 8 files such a machine sends back).
 set -euo pipefail
 out=${1:-gpu-figures}
 python=${PYTHON:-.venv/bin/python}
