@@ -24,7 +24,8 @@ def numpy_largest(t: torch.Tensor) -> float:
 @st.composite
 def tensors(draw):
     """A tensor of 0 to 3 dimensions (sizes 0 to 5) in one of DTYPES, with a few special
-    values planted, contiguous or a transposed or strided view of a larger one."""
+    values planted: every other element of a larger one (a strided view), transposed or
+    not."""
     shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
     dtype = draw(st.sampled_from(DTYPES))
     scale = draw(st.sampled_from((1e-3, 1.0, 1e3)))
