@@ -15,11 +15,15 @@ figures of an earlier run (`--compare`):
     git show HEAD:src/attnlab/csrc/decode_step.cpp > /tmp/before.cpp
     python scripts/decode_gqa.py --baseline /tmp/before.cpp
     python scripts/decode_gqa.py --json before.json   # then, after the change:
+
+A baseline from before the values became rows (2026-11-27) reads a copy of them laid out as
+the keys: add `--baseline-values-like-keys`.
     python scripts/decode_gqa.py --compare before.json
 
 Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
     [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]
-    [--compare BEFORE.json] [--baseline BEFORE.cpp] [--threads N]
+    [--compare BEFORE.json] [--baseline BEFORE.cpp [--baseline-values-like-keys]]
+    [--threads N]
 """
 
 from __future__ import annotations
@@ -67,10 +71,14 @@ def baseline_op(source: str):
     return module.decode_step
 
 
-def stack_step(num_kv_heads: int, batch: int, context: int, cache_dtype: torch.dtype, ops):
+def stack_step(
+    num_kv_heads: int, batch: int, context: int, cache_dtype: torch.dtype, ops, old_values=()
+):
     """Calls (one per op of `ops`) decoding one token at position context - 1 through 12
     layers whose caches hold context - 1 random tokens (each layer its own weights and
-    cache)."""
+    cache). An op whose index is in `old_values` reads a copy of the values laid out as the
+    keys, in blocks (hd, tokens): the layout of kernels before the values became rows
+    (2026-11-27)."""
     torch.manual_seed(0)
     modules = [
         MultiHeadAttention(D_MODEL, D_MODEL, context, 0.0, HEADS, num_kv_heads=num_kv_heads).eval()
@@ -83,18 +91,22 @@ def stack_step(num_kv_heads: int, batch: int, context: int, cache_dtype: torch.d
         for cache in caches:
             cache.update(keys, values)
     x = torch.randn(batch, 1, D_MODEL)  # (b, 1, d)
-    calls = []
-    for module, cache in zip(modules, caches, strict=True):
-        weights = plan.native_module(module)
-        slot, first, count = cache.native_slots(context - 1, None)
-        key_scales, value_scales = cache.scales
-        scale = module.head_dim**-0.5
-        buffers = (cache.keys_t, cache.values_t, key_scales, value_scales)
-        calls.append(
-            (weights, (*buffers, HEADS, context - 1, slot, first, count, cache.block, scale))
-        )
 
-    def step_of(op):
+    def calls_of(values_like_keys: bool):
+        calls = []
+        for module, cache in zip(modules, caches, strict=True):
+            weights = plan.native_module(module)
+            slot, first, count = cache.native_slots(context - 1, None)
+            key_scales, value_scales = cache.scales
+            scale = module.head_dim**-0.5
+            values_t = _values_like_keys(cache) if values_like_keys else cache.values_t
+            buffers = (cache.keys_t, values_t, key_scales, value_scales)
+            calls.append(
+                (weights, (*buffers, HEADS, context - 1, slot, first, count, cache.block, scale))
+            )
+        return calls
+
+    def step_of(op, calls):
         def step() -> torch.Tensor:
             hidden = x
             for weights, arguments in calls:
@@ -104,7 +116,15 @@ def stack_step(num_kv_heads: int, batch: int, context: int, cache_dtype: torch.d
 
         return step
 
-    return [step_of(op) for op in ops]
+    return [step_of(op, calls_of(i in old_values)) for i, op in enumerate(ops)]
+
+
+def _values_like_keys(cache) -> torch.Tensor:
+    """A copy of the cache's values laid out as its keys (blocks of (hd, tokens))."""
+    values_t = torch.zeros_like(cache.values_t)
+    stored = cache.values.transpose(-2, -1)  # (b, hkv, hd, capacity) as stored
+    cache._key_layout.copy_in(values_t, 0, stored)
+    return values_t
 
 
 def least_seconds(steps, rounds: int, clock=time.thread_time) -> list[float]:
@@ -133,6 +153,11 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="threads; above 1, the step's wall time"
     )
+    parser.add_argument(
+        "--baseline-values-like-keys",
+        action="store_true",
+        help="the baseline reads the values laid out as the keys (kernels before 2026-11-27)",
+    )
     args = parser.parse_args()
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
@@ -149,7 +174,8 @@ def main() -> None:
         for batch in args.batches:
             for context in args.contexts:
                 key = f"{args.cache_dtype} kv={num_kv_heads} b={batch} t={context}"
-                steps = stack_step(num_kv_heads, batch, context, DTYPES[args.cache_dtype], ops)
+                old = (1,) if args.baseline_values_like_keys else ()
+                steps = stack_step(num_kv_heads, batch, context, DTYPES[args.cache_dtype], ops, old)
                 times = [s * 1e3 for s in least_seconds(steps, args.rounds, clock)]
                 ms = figures[key] = times[0]
                 line = f"{key:<32} {ms:9.2f}"

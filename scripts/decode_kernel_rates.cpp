@@ -11,7 +11,8 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 // A group of `groups` query heads attending to `keys` tokens of one key/value head, `rounds`
 // times, each round on the next of `heads` heads' blocks (hd x keys keys, then as many
-// values; heads = 1: the same block every round, read from L2), with the op's prefetches:
+// values: rows (keys, hd) where decode_step.cpp defines ATTNLAB_VALUE_ROWS, else laid out as
+// the keys; heads = 1: the same block every round, read from L2), with the op's prefetches:
 // the block's values while its scores are summed, the next head's keys while its values are.
 // This mirrors Attend::item's loop over blocks of query heads rather than calling it, so that
 // --baseline also builds versions of decode_step.cpp from before a refactor of that loop.
@@ -33,7 +34,11 @@ double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
     int64_t ticks = 0;
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
       with_group_block(groups - i, [&](auto G) {
+#if defined(ATTNLAB_VALUE_ROWS)
+        ticks += keys * row_value_calls<decltype(G)::value>(hd);
+#else
         ticks += hd / value_rows<decltype(G)::value>() * std::max<int64_t>(1, keys / Vec::size());
+#endif
       });
     }
     return ticks;
@@ -52,11 +57,16 @@ double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
     ahead.start(k.data() + ((r + 1) % heads) * span, heads > 1 ? span : 0, value_ticks);
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
       with_group_block(groups - i, [&](auto G) {
+#if defined(ATTNLAB_VALUE_ROWS)  // the values as rows (keys, hd), from 2026-11-27 on
+        all_row_values<decltype(G)::value>(scores.data() + i * keys, keys, v_head, hd, keys,
+                                           out.data() + i * (hd + 2), hd + 2, ahead);
+#else  // before: the values laid out as the keys, (hd, keys)
         constexpr int R = value_rows<decltype(G)::value>();
         for (int64_t d = 0; d < hd; d += R) {
           grouped_values<decltype(G)::value>(scores.data() + i * keys, keys, v_head + d * keys, keys, keys,
                                   out.data() + i * (hd + 2) + d, hd + 2, ahead);
         }
+#endif
       });
     }
   }

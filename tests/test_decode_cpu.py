@@ -158,15 +158,16 @@ def test_the_native_step_attends_to_the_tokens_it_stored(dtype, num_kv_heads, ro
 
 @st.composite
 def model_sized_steps(draw):
-    """Model-sized steps: 12 query heads, head dims up to 64 and contexts up to 1,600
+    """Model-sized steps: 12 query heads, head dims up to 100 and contexts up to 1,600
     tokens, long enough for every vector width's loops, the key chunks split over the
-    threads, and the blocks of query heads summed in registers (up to 12 at a time); up to
+    threads, and the blocks of query heads summed in registers (up to 12 at a time); value
+    rows read four vectors, one vector and a last part at a time (100 features); up to
     9 sequences, so that the projections take their rows of x four, two and one at a time,
     over widths with and without a last part shorter than a vector."""
     return dict(
         seed=draw(st.integers(0, 2**31 - 1)),
         num_kv_heads=draw(st.sampled_from([12, 6, 4, 3, 2, 1])),
-        head_dim=draw(st.sampled_from([4, 12, 16, 64])),
+        head_dim=draw(st.sampled_from([4, 12, 16, 64, 100])),
         held=draw(st.integers(0, 1600)),
         batch=draw(st.integers(1, 9)),
         d_in=draw(st.sampled_from([16, 37, 100])),
@@ -337,6 +338,13 @@ def test_bfloat16_stores_the_rounded_values():
     assert keys.dtype == torch.float32 and cache.keys.dtype == torch.bfloat16
 
 
+def held_tokens(cache: KVCache) -> list[torch.Tensor]:
+    """Copies of the keys, values and any scales of the tokens the cache holds."""
+    held = cache.num_tokens
+    scales = [s[..., :held].clone() for s in cache.scales]
+    return [cache.keys[:, :, :held].clone(), cache.values[:, :, :held].clone(), *scales]
+
+
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("window", [None, 3])
@@ -351,12 +359,14 @@ def test_a_failure_after_the_native_write_is_rolled_back(dtype, window, monkeypa
         cache = m.make_cache(1, dtype=dtype)
         for t in range(7):
             m(x[:, t : t + 1], cache=cache)
-        state = [t.clone() for t in cache._tensors()], cache.position
-        slot = cache.native_slots(cache.position, window)[0]
+        state = held_tokens(cache), cache.position
+        slot = torch.tensor([cache.native_slots(cache.position, window)[0]])
+        # where the slot lives in each tensor: keys, values (laid out apart), then scales
+        places = [cache._key_layout.columns(slot), cache._value_layout.columns(slot), slot, slot]
 
         def broken(*args, **kwargs):
-            for t in cache._tensors():
-                t[..., slot] = 3
+            for t, place in zip(cache._tensors(), places, strict=False):
+                t[..., place.flatten()] = 3
             raise RuntimeError("out of memory")
 
         with monkeypatch.context() as patch:
@@ -365,9 +375,8 @@ def test_a_failure_after_the_native_write_is_rolled_back(dtype, window, monkeypa
             with pytest.raises(RuntimeError, match="out of memory"):
                 m(x[:, 7:], cache=cache)
         assert cache.position == state[1]
-        held = cache.num_tokens
-        for got, kept in zip(cache._tensors(), state[0], strict=True):
-            assert torch.equal(got[..., :held], kept[..., :held])
+        for got, kept in zip(held_tokens(cache), state[0], strict=True):
+            assert torch.equal(got, kept)
         torch.testing.assert_close(m(x[:, 7:], cache=cache), want[:, 7:], rtol=1e-5, atol=1e-5)
 
 

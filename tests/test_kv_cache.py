@@ -408,6 +408,29 @@ def test_the_blocked_storage_gives_back_every_token_it_holds(
         held = torch.arange(cache.num_tokens)
         slot_positions = held if not rolling else cache.slot_positions()
         assert torch.equal(cache.keys[:, :, held], every[:, :, slot_positions])
+        assert torch.equal(_documented_keys(cache)[:, :, held], every[:, :, slot_positions])
+        assert torch.equal(_documented_values(cache)[:, :, held], -every[:, :, slot_positions])
+
+
+def _documented_keys(cache: KVCache) -> torch.Tensor:
+    """keys_t read as KVCache documents it for native kernels, (b, hkv, capacity, hd): each
+    head's tokens in blocks of cache.block tokens, a block of n tokens (hd, n) row-major;
+    rows (capacity, hd) with tokens_last=False."""
+    b, hkv, hd, capacity = *cache.keys_t.shape[:2], cache.head_dim, cache.capacity
+    if not cache.tokens_last:
+        return cache.keys_t.view(b, hkv, capacity, hd)
+    tokens = []
+    for t in range(capacity):
+        start = t // cache.block * cache.block
+        length = min(cache.block, capacity - start)
+        tokens.append(cache.keys_t[:, :, start * hd + torch.arange(hd) * length + t - start])
+    return torch.stack(tokens, dim=2)
+
+
+def _documented_values(cache: KVCache) -> torch.Tensor:
+    """values_t read as documented: rows (capacity, hd) per head, in every layout."""
+    b, hkv = cache.values_t.shape[:2]
+    return cache.values_t.view(b, hkv, cache.capacity, cache.head_dim)
 
 
 @pytest.mark.parametrize(

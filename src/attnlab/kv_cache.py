@@ -5,18 +5,20 @@ Buffers are allocated once and written in place; only the key/value heads are st
 grouped-query attention shrinks the cache by num_heads / num_kv_heads. With a window, the
 buffer holds the `window` most recent tokens and rolls: token p lives in slot p % window.
 
-Layout: each head's buffer holds its tokens in blocks, each block stored (hd, its tokens)
+Layout: each head's keys are held in blocks of tokens, each block stored (hd, its tokens)
 row-major: tokens last within a block, so that decoding one token reads a block's keys with
-a matrix-vector product over contiguous rows. By default the whole capacity is one block,
-which the Python path reads as views. For attnlab's native CPU decode step
-(MultiHeadAttention.make_cache asks for it) a block is BLOCK_TOKENS (256) tokens and the
-blocks follow one another, so that a short context is one contiguous read however large
-the capacity (with tokens last over the whole capacity, each of the hd rows of a 256-token
-context is a separate 1 KiB read, capacity apart); the Python path then copies the held
-tokens out of the blocks. The buffers are (b, hkv, hd * capacity); `keys` and `values` give
-them back as (b, hkv, capacity, hd).
+a matrix-vector product over contiguous rows (a query's scores are a sum of rows). By default
+the whole capacity is one block, which the Python path reads as views. For attnlab's native
+CPU decode step (MultiHeadAttention.make_cache asks for it) a block is BLOCK_TOKENS (256)
+tokens and the blocks follow one another, so that a short context is one contiguous read
+however large the capacity (with tokens last over the whole capacity, each of the hd rows of
+a 256-token context is a separate 1 KiB read, capacity apart); the Python path then copies
+the held keys out of the blocks. Each head's values are rows (capacity, hd) row-major in
+every layout: the output p @ v is then a sum of rows scaled by their weights, and the values
+of a short context are the first rows, one contiguous read. The buffers are (b, hkv, hd *
+capacity); `keys` and `values` give them back as (b, hkv, capacity, hd).
 
-Off the CPU (make_cache's choice for any other device) the tokens are rows instead
+Off the CPU (make_cache's choice for any other device) the keys are rows too
 (`tokens_last=False`): each head's buffer is (capacity, hd) row-major, one block, the layout
 SDPA's GPU kernels read without a copy; the tokens-last layout would be copied whole at
 every decoded token there.
@@ -72,11 +74,12 @@ class KVCache:
             with per-token, per-head scales); default torch's.
         device: where the buffers go.
         window: keep only the `window` most recent tokens (a rolling buffer).
-        block_tokens: store each head's tokens in blocks of this many (see the module's
-            docstring; MultiHeadAttention.make_cache gives BLOCK_TOKENS where its native
-            decode step reads the cache); default one block of the whole capacity.
-        tokens_last: store each block (hd, tokens) (the default: the CPU's layout), or,
-            False, each head's tokens as rows (capacity, hd) in one block (a GPU's).
+        block_tokens: store each head's keys in blocks of this many tokens (see the
+            module's docstring; MultiHeadAttention.make_cache gives BLOCK_TOKENS where its
+            native decode step reads the cache); default one block of the whole capacity.
+        tokens_last: store each block of keys (hd, tokens) (the default: the CPU's layout),
+            or, False, each head's keys as rows (capacity, hd) in one block (a GPU's). The
+            values are rows (capacity, hd) either way.
 
     Raises:
         TypeError: a size that is not an int, a dtype that is neither floating point nor
@@ -109,7 +112,7 @@ class KVCache:
         )
         dtype = check_storage_dtype(dtype)
         device = check_device("device", device)
-        shape = (batch_size, num_kv_heads, head_dim * self.capacity)  # blocks of (hd, tokens)
+        shape = (batch_size, num_kv_heads, head_dim * self.capacity)  # see _Layout
         self._keys_t = torch.zeros(shape, dtype=dtype, device=device)
         self._values_t = torch.zeros(shape, dtype=dtype, device=device)
         self.block = (
@@ -121,7 +124,8 @@ class KVCache:
                 f"block_tokens ({block_tokens}) lays out a tokens-last cache: give "
                 f"tokens_last=True with it, or no block_tokens"
             )
-        self._token_dim = 3 if tokens_last else 2  # of a block's view (b, hkv, ., .)
+        self._key_layout = _Layout(tokens_last, self.block, self.capacity, self.head_dim)
+        self._value_layout = _Layout(False, self.capacity, self.capacity, self.head_dim)
         self._key_scales = self._value_scales = None
         if self.dtype == torch.int8:  # one float32 scale per token and head: (b, hkv, capacity)
             scales = (batch_size, num_kv_heads, self.capacity)
@@ -134,12 +138,12 @@ class KVCache:
         """Every slot's key as stored, (b, hkv, capacity, hd): a view for a cache of one
         block (the default), a copy of the blocks otherwise; an int8 cache's unscaled
         integers (see key_scales)."""
-        return self._tokens(self._keys_t, self.capacity)
+        return self._key_layout.tokens(self._keys_t, self.capacity)
 
     @property
     def values(self) -> torch.Tensor:
         """Every slot's value as stored, (b, hkv, capacity, hd) (a view or a copy, as keys)."""
-        return self._tokens(self._values_t, self.capacity)
+        return self._value_layout.tokens(self._values_t, self.capacity)
 
     @property
     def key_scales(self) -> torch.Tensor | None:
@@ -161,47 +165,9 @@ class KVCache:
 
     @property
     def values_t(self) -> torch.Tensor:
-        """The value buffer as stored, laid out as keys_t."""
+        """The value buffer as stored, (b, hkv, capacity * hd), for native kernels: each
+        head's tokens as rows (capacity, hd) row-major, whatever the keys' layout."""
         return self._values_t
-
-    def _columns(self, slots: torch.Tensor) -> torch.Tensor:
-        """Where slots (n,) live in a buffer's last axis: (hd, n) element offsets, row d of
-        slot t at (t's block's first slot) * hd + d * (the block's tokens) + t's place in it;
-        (n, hd) offsets slot * hd + d for a cache of rows."""
-        if not self.tokens_last:
-            features = torch.arange(self.head_dim, device=slots.device)
-            return slots.unsqueeze(1) * self.head_dim + features  # (n, hd)
-        start = torch.div(slots, self.block, rounding_mode="floor") * self.block
-        length = (self.capacity - start).clamp(max=self.block)  # tokens in each slot's block
-        rows = torch.arange(self.head_dim, device=slots.device).unsqueeze(1)  # (hd, 1)
-        return start * self.head_dim + rows * length + (slots - start)  # (hd, n)
-
-    def _tokens(self, buffer: torch.Tensor, num: int) -> torch.Tensor:
-        """The first `num` slots of a blocked buffer as (b, hkv, num, hd), as stored (a view
-        within one block, else a copy)."""
-        pieces = self._pieces(buffer, 0, num)  # (b, hkv, hd, m) each, or (b, hkv, m, hd)
-        held = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self._token_dim)
-        return held.transpose(-2, -1) if self.tokens_last else held  # (b, hkv, num, hd)
-
-    def _pieces(self, buffer: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
-        """Views (b, hkv, hd, m) of the consecutive slots start .. stop - 1, block by block
-        (0 <= start <= stop <= capacity); (b, hkv, m, hd) for a cache of rows."""
-        if not 0 <= start <= stop <= self.capacity:
-            raise ValueError(f"slots {start}..{stop - 1} are not within the {self.capacity} held")
-        batch, heads, hd = *buffer.shape[:2], self.head_dim
-        pieces, slot = [], start
-        while slot < stop or not pieces:
-            first = slot // self.block * self.block
-            length = min(self.block, self.capacity - first)
-            block = buffer.narrow(2, first * hd, hd * length)  # (b, hkv, hd * length)
-            if self.tokens_last:
-                block = block.view(batch, heads, hd, length)  # (b, hkv, hd, length)
-            else:
-                block = block.view(batch, heads, length, hd)  # (b, hkv, length, hd)
-            end = min(stop, first + length)
-            pieces.append(block.narrow(self._token_dim, slot - first, end - slot))
-            slot = end
-        return pieces
 
     @property
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,11 +350,12 @@ class KVCache:
     def _held(self, num: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The first `num` slots' keys and values, (b, hkv, num, hd) in `dtype`, positions
         None (views of the buffers when they fit in one block and are stored in `dtype`)."""
-        keys = self._read(self._keys_t, self._key_scales, num, dtype)
-        return keys, self._read(self._values_t, self._value_scales, num, dtype), None
+        keys = self._read(self._keys_t, self._key_layout, self._key_scales, num, dtype)
+        values = self._read(self._values_t, self._value_layout, self._value_scales, num, dtype)
+        return keys, values, None
 
-    def _read(self, buffer, scales, num: int, dtype: torch.dtype) -> torch.Tensor:
-        held = self._tokens(buffer, num)  # (b, hkv, num, hd)
+    def _read(self, buffer, layout, scales, num: int, dtype: torch.dtype) -> torch.Tensor:
+        held = layout.tokens(buffer, num)  # (b, hkv, num, hd)
         if scales is not None:
             held = held.to(torch.float32) * scales.narrow(2, 0, num).unsqueeze(3)
         return held.to(dtype)
@@ -427,46 +394,33 @@ class KVCache:
         n = k.shape[2]
         first = self.position if first is None else first
         grad = self._records_grad(k, v)
-        slots = columns = None  # the slots written, and where they are in a buffer
+        slots = None  # the slots written
         if grad or self._key_scales is not None:
             slots = torch.arange(first, first + n, device=k.device) % self.capacity
-        if grad:
-            columns = self._columns(slots).flatten()  # in the order of (hd, n)
-        for name, x in (("keys", k), ("values", v)):
-            stored, scales = self._encode(x)  # (b, hkv, hd, n) or rows, (b, hkv, n) or None
+        for name, x, layout in (("keys", k, self._key_layout), ("values", v, self._value_layout)):
+            stored, scales = self._encode(x, layout)  # (b, hkv, hd, n) or rows, scales or None
             check_storable(name, x, self.dtype)
             buffer_name, scales_name = f"_{name}_t", f"_{name[:-1]}_scales"
             buffer = getattr(self, buffer_name)
             if grad:
-                flat = stored.reshape(*stored.shape[:2], -1)  # (b, hkv, hd * n), as _columns orders
+                columns = layout.columns(slots).flatten()  # in the order of stored's last axes
+                flat = stored.reshape(*stored.shape[:2], -1)  # (b, hkv, hd * n), as columns
                 setattr(self, buffer_name, buffer.index_copy(2, columns, flat))
             else:
-                self._copy_in(buffer, first, stored)
+                layout.copy_in(buffer, first, stored)
             if scales is not None:
                 old = getattr(self, scales_name)
                 put = old.index_copy if grad else old.index_copy_
                 setattr(self, scales_name, put(2, slots, scales))
 
-    def _copy_in(self, buffer: torch.Tensor, first: int, stored: torch.Tensor) -> None:
-        """stored (b, hkv, hd, n) (or rows (b, hkv, n, hd)) copied in place into the n slots
-        from `first` on (wrapping past the capacity: at most two runs of consecutive slots)."""
-        axis = self._token_dim
-        n, done = stored.shape[axis], 0
-        while done < n:
-            start = (first + done) % self.capacity
-            stop = min(self.capacity, start + n - done)
-            for piece in self._pieces(buffer, start, stop):
-                piece.copy_(stored.narrow(axis, done, piece.shape[axis]))
-                done += piece.shape[axis]
-
-    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (b, hkv, n, hd) in the stored layout and dtype ((b, hkv, hd, n) tokens last, as
+    def _encode(self, x: torch.Tensor, layout: _Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (b, hkv, n, hd) in `layout` and the stored dtype ((b, hkv, hd, n) tokens last, as
         given for rows), and an int8 store's scales (b, hkv, n)."""
         scales = None
         if self.dtype == torch.int8:
             x, scales = quantize(x)
         x = x.to(self.dtype)
-        return (x.transpose(-2, -1) if self.tokens_last else x), scales
+        return (x.transpose(-2, -1) if layout.tokens_last else x), scales
 
     def _records_grad(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the write must be out of place: autograd records it, or the buffers are
@@ -492,8 +446,9 @@ class KVCache:
         indices, saved = (), ()
         if self.rolling:  # its writes overwrite held tokens: keep a copy of those slots
             slots = self._slots(position, num_new)
-            columns = self._columns(slots).flatten()
-            indices = (columns, columns, slots, slots)[: len(tensors)]  # buffers, then scales
+            key_columns = self._key_layout.columns(slots).flatten()
+            value_columns = self._value_layout.columns(slots).flatten()
+            indices = (key_columns, value_columns, slots, slots)[: len(tensors)]  # then scales
             saved = tuple(t.index_select(2, i) for t, i in zip(tensors, indices, strict=True))
         try:
             yield
@@ -541,6 +496,68 @@ class KVCache:
                 f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must have the "
                 f"same number of tokens and dtype"
             )
+
+
+class _Layout:
+    """How one of a KVCache's buffers (b, hkv, hd * capacity) holds each head's tokens: in
+    blocks of `block` tokens (the last may hold fewer), a block of n tokens stored (hd, n)
+    row-major (tokens_last) or (n, hd); a cache of rows is one block of the capacity."""
+
+    def __init__(self, tokens_last: bool, block: int, capacity: int, head_dim: int) -> None:
+        self.tokens_last, self.block = tokens_last, block
+        self.capacity, self.head_dim = capacity, head_dim
+        self.token_dim = 3 if tokens_last else 2  # of a block's view (b, hkv, ., .)
+
+    def columns(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where slots (n,) live in a buffer's last axis: (hd, n) element offsets, row d of
+        slot t at (t's block's first slot) * hd + d * (the block's tokens) + t's place in it;
+        (n, hd) offsets slot * hd + d for a buffer of rows."""
+        if not self.tokens_last:
+            features = torch.arange(self.head_dim, device=slots.device)
+            return slots.unsqueeze(1) * self.head_dim + features  # (n, hd)
+        start = torch.div(slots, self.block, rounding_mode="floor") * self.block
+        length = (self.capacity - start).clamp(max=self.block)  # tokens in each slot's block
+        rows = torch.arange(self.head_dim, device=slots.device).unsqueeze(1)  # (hd, 1)
+        return start * self.head_dim + rows * length + (slots - start)  # (hd, n)
+
+    def tokens(self, buffer: torch.Tensor, num: int) -> torch.Tensor:
+        """The first `num` slots of the buffer as (b, hkv, num, hd), as stored (a view
+        within one block, else a copy)."""
+        pieces = self.pieces(buffer, 0, num)  # (b, hkv, hd, m) each, or (b, hkv, m, hd)
+        held = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.token_dim)
+        return held.transpose(-2, -1) if self.tokens_last else held  # (b, hkv, num, hd)
+
+    def pieces(self, buffer: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+        """Views (b, hkv, hd, m) of the consecutive slots start .. stop - 1, block by block
+        (0 <= start <= stop <= capacity); (b, hkv, m, hd) for a buffer of rows."""
+        if not 0 <= start <= stop <= self.capacity:
+            raise ValueError(f"slots {start}..{stop - 1} are not within the {self.capacity} held")
+        batch, heads, hd = *buffer.shape[:2], self.head_dim
+        pieces, slot = [], start
+        while slot < stop or not pieces:
+            first = slot // self.block * self.block
+            length = min(self.block, self.capacity - first)
+            block = buffer.narrow(2, first * hd, hd * length)  # (b, hkv, hd * length)
+            if self.tokens_last:
+                block = block.view(batch, heads, hd, length)  # (b, hkv, hd, length)
+            else:
+                block = block.view(batch, heads, length, hd)  # (b, hkv, length, hd)
+            end = min(stop, first + length)
+            pieces.append(block.narrow(self.token_dim, slot - first, end - slot))
+            slot = end
+        return pieces
+
+    def copy_in(self, buffer: torch.Tensor, first: int, stored: torch.Tensor) -> None:
+        """stored (b, hkv, hd, n) (or rows (b, hkv, n, hd)) copied in place into the n slots
+        from `first` on (wrapping past the capacity: at most two runs of consecutive slots)."""
+        axis = self.token_dim
+        n, done = stored.shape[axis], 0
+        while done < n:
+            start = (first + done) % self.capacity
+            stop = min(self.capacity, start + n - done)
+            for piece in self.pieces(buffer, start, stop):
+                piece.copy_(stored.narrow(axis, done, piece.shape[axis]))
+                done += piece.shape[axis]
 
 
 _EMPTY = torch.empty(0)

@@ -504,8 +504,8 @@ std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
 
 constexpr const char* kOverflow = "decode_step: the output is not finite";
 
-// A rolling cache's slot as it was before the step (each head's values in the keys and the
-// values, then an int8 cache's two scales), kept to be put back when the step is refused, as
+// A rolling cache's slot as it was before the step (each head's features in the keys and
+// the values, then an int8 cache's two scales), kept to be put back when the step is refused, as
 // KVCache.transaction does on the Python face
 class SlotKept {
  public:
@@ -519,11 +519,13 @@ class SlotKept {
   void each(F&& copy) {
     const int64_t hd = call_.keys_t.size(2) / call_.capacity;
     const int64_t heads = call_.keys_t.size(0) * call_.keys_t.size(1);
-    int64_t stride = 0;
-    const int64_t offset = slot_offset(call_.slot, hd, call_.capacity, call_.block, stride);
     bytes_.resize(2 * heads * (hd * call_.keys_t.element_size() + sizeof(float)));
     char* kept = bytes_.data();
-    for (const at::Tensor* buffer : {&call_.keys_t, &call_.values_t}) {
+    // the keys in blocks of call_.block tokens, the values as rows (blocks of one token)
+    for (const auto& [buffer, block] : {std::pair{&call_.keys_t, call_.block},
+                                        std::pair{&call_.values_t, int64_t{1}}}) {
+      int64_t stride = 0;
+      const int64_t offset = slot_offset(call_.slot, hd, call_.capacity, block, stride);
       const int64_t size = buffer->element_size();
       char* base = static_cast<char*>(buffer->data_ptr());
       for (int64_t h = 0; h < heads; ++h) {

@@ -12,10 +12,12 @@
 //
 // Layouts (the Python side makes its inputs conform): x (b, 1, d_in) or (b, d_in); w_qkv
 // (d_out + 2 kv_dim, d_in) with rows in query, key, value order; w_out (width, d_out);
-// biases (out,) or empty; cos/sin (positions, hd) or empty; keys_t/values_t (b, hkv,
-// hd * capacity): each head's tokens in blocks of `block` tokens, a block (hd, its tokens)
-// row-major (Segment), so that a block's keys are one contiguous read; key_scales/
-// value_scales (b, hkv, capacity) float32 for int8 buffers, else empty. All float32 except
+// biases (out,) or empty; cos/sin (positions, hd) or empty; keys_t (b, hkv, hd * capacity):
+// each head's tokens in blocks of `block` tokens, a block (hd, its tokens) row-major
+// (Segment), so that a block's keys are one contiguous read and a query's scores a sum of
+// rows; values_t (b, hkv, capacity * hd): each head's tokens as rows (capacity, hd), so that
+// the output is a sum of rows too; key_scales/value_scales (b, hkv, capacity) float32 for
+// int8 buffers, else empty. All float32 except
 // the buffers, all contiguous. The new token goes to slot `slot` at position `position`;
 // attention reads slots [first, first + count). The op checks every argument itself (the
 // contract above decode_step): anything else is a RuntimeError, never a crash.
@@ -36,6 +38,9 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+// The values are stored as rows (capacity, hd) (scripts/decode_kernel_rates.cpp reads it)
+#define ATTNLAB_VALUE_ROWS 1
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define ATTNLAB_X86 1  // x86 intrinsics: prefetches and widening loads
@@ -391,27 +396,6 @@ void axpy4(const float* a, const T* const* x, float* y, int64_t n) {
   }
 }
 
-// out[r] += p . x[r] for four rows read side by side
-template <typename T>
-void dot4(const float* p, const T* const* x, int64_t n, float* out) {
-  Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
-  int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) {
-    const Vec pv = Vec::loadu(p + t);
-    s0 = at::vec::fmadd(pv, load(x[0] + t), s0);
-    s1 = at::vec::fmadd(pv, load(x[1] + t), s1);
-    s2 = at::vec::fmadd(pv, load(x[2] + t), s2);
-    s3 = at::vec::fmadd(pv, load(x[3] + t), s3);
-  }
-  float sums[kRows];
-  sum4(s0, s1, s2, s3, sums);
-  for (int64_t r = 0; r < kRows; ++r) {
-    float total = sums[r];
-    for (int64_t u = t; u < n; ++u) total += p[u] * widen(x[r][u]);
-    out[r] += total;
-  }
-}
-
 // The largest of row[0..n) (a vector of running maxima: a scalar chain waits on each max).
 float max_of(const float* row, int64_t n) {
   Vec acc(kNegInf);
@@ -508,13 +492,6 @@ constexpr int key_vectors() {
   return std::max(1, std::min(4, (kRegisters - 1) / (G + 1)));
 }
 
-// Value rows per step of grouped_values for G query heads: 4 when their 4 G sums, the 4 rows'
-// vectors and the weights' vector fit in registers, else 2.
-template <int G>
-constexpr int value_rows() {
-  return 5 * G + 1 <= kRegisters ? 4 : 2;
-}
-
 // Grouped heads (several query heads per key/value head): the cache is read once for all of
 // them, the group's scores one small matrix product whose tile of sums stays in registers.
 // Scores of G query heads for the m keys at k (rows of hd features, cap apart; `ahead` ticks
@@ -573,60 +550,75 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
   }
 }
 
-// out[i * stride + e] += p[i] . v[e] for G query heads and R value rows v[e] (`cap` apart
-// from v), each row's vector loaded once for the G heads; p[i] is p + i * n.
-template <int G, int R = value_rows<G>(), typename T>
-void grouped_values(const float* p, int64_t n, const T* v, int64_t cap, int64_t m, float* out,
-                    int64_t stride, Prefetcher& ahead) {
-  static_assert(R == 2 || R == 4, "two or four value rows a step");
+// Values are stored as rows (a token's hd features contiguous), so that out = p v is a sum
+// of rows scaled by their weights: no sums across lanes, and a head's values are one
+// contiguous read from its first token on. out[i * stride + f] += sum_t p[i][t] v[t][f] for
+// G query heads (p[i] is p + i * n) over the m rows at v (hd apart) and the NV vectors of
+// features from f = 0 (Part: one vector of `part` < Vec::size() features), each row's
+// vectors loaded once for the G heads (NV loads and G broadcasts per NV G multiply-adds).
+template <int G, int NV, bool Part = false, typename T>
+void row_values(const float* p, int64_t n, const T* v, int64_t hd, int64_t m, float* out,
+                int64_t stride, int64_t part, Prefetcher& ahead) {
   constexpr int64_t w = Vec::size();
-  Vec a[G][R];
+  Vec a[G][NV];
   ATTNLAB_UNROLL
   for (int i = 0; i < G; ++i) {
     ATTNLAB_UNROLL
-    for (int e = 0; e < R; ++e) a[i][e] = Vec(0.0f);
+    for (int j = 0; j < NV; ++j) {
+      a[i][j] = Part ? Vec::loadu(out + i * stride, part) : Vec::loadu(out + i * stride + j * w);
+    }
   }
-  int64_t t = 0;
-  for (; t + w <= m; t += w) {
+  for (int64_t t = 0; t < m; ++t) {
+    const T* row = v + t * hd;
     ahead.tick();
-    Vec x[R];
+    Vec x[NV];
     ATTNLAB_UNROLL
-    for (int e = 0; e < R; ++e) x[e] = load(v + e * cap + t);
-    ATTNLAB_UNROLL
-    for (int i = 0; i < G; ++i) {
-      const Vec pv = Vec::loadu(p + i * n + t);
-      ATTNLAB_UNROLL
-      for (int e = 0; e < R; ++e) a[i][e] = at::vec::fmadd(pv, x[e], a[i][e]);
-    }
-  }
-  if (t < m) {  // the last values, fewer than a vector: their lanes, the others 0
-    const int64_t rest = m - t;
-    Vec x[R];
-    ATTNLAB_UNROLL
-    for (int e = 0; e < R; ++e) x[e] = load_part(v + e * cap + t, rest);
+    for (int j = 0; j < NV; ++j) x[j] = Part ? load_part(row, part) : load(row + j * w);
     ATTNLAB_UNROLL
     for (int i = 0; i < G; ++i) {
-      const Vec pv = Vec::loadu(p + i * n + t, rest);
+      const Vec pv(p[i * n + t]);
       ATTNLAB_UNROLL
-      for (int e = 0; e < R; ++e) a[i][e] = at::vec::fmadd(pv, x[e], a[i][e]);
+      for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pv, x[j], a[i][j]);
     }
-  }
-  float sums[G * R + 4];  // sums[R i + e]: head i, row e
-  if constexpr (R == 4) {
-    ATTNLAB_UNROLL
-    for (int i = 0; i < G; ++i) sum4(a[i][0], a[i][1], a[i][2], a[i][3], sums + 4 * i);
-  } else {
-    ATTNLAB_UNROLL
-    for (int i = 0; i + 1 < G; i += 2) {
-      sum4(a[i][0], a[i][1], a[i + 1][0], a[i + 1][1], sums + 2 * i);
-    }
-    if (G % 2) sums[2 * G - 2] = lane_sum(a[G - 1][0]), sums[2 * G - 1] = lane_sum(a[G - 1][1]);
   }
   ATTNLAB_UNROLL
   for (int i = 0; i < G; ++i) {
     ATTNLAB_UNROLL
-    for (int e = 0; e < R; ++e) out[i * stride + e] += sums[R * i + e];
+    for (int j = 0; j < NV; ++j) {
+      if constexpr (Part) {
+        a[i][j].store(out + i * stride, part);
+      } else {
+        a[i][j].store(out + i * stride + j * w);
+      }
+    }
   }
+}
+
+// Calls of row_values a block of G query heads takes to cover hd features: NV vectors at a
+// time (as many as key_vectors allows), then single vectors, then the features past the
+// last whole vector.
+template <int G>
+int64_t row_value_calls(int64_t hd) {
+  constexpr int64_t w = Vec::size();
+  constexpr int NV = key_vectors<G>();
+  const int64_t vectors = hd / w;
+  return vectors / NV + vectors % NV + (hd % w ? 1 : 0);
+}
+
+// row_values over every feature of the rows, for one block of G query heads.
+template <int G, typename T>
+void all_row_values(const float* p, int64_t n, const T* v, int64_t hd, int64_t m, float* out,
+                    int64_t stride, Prefetcher& ahead) {
+  constexpr int64_t w = Vec::size();
+  constexpr int NV = key_vectors<G>();
+  int64_t f = 0;
+  for (; f + NV * w <= hd; f += NV * w) {
+    row_values<G, NV>(p, n, v + f, hd, m, out + f, stride, 0, ahead);
+  }
+  if constexpr (NV > 1) {
+    for (; f + w <= hd; f += w) row_values<G, 1>(p, n, v + f, hd, m, out + f, stride, 0, ahead);
+  }
+  if (f < hd) row_values<G, 1, true>(p, n, v + f, hd, m, out + f, stride, hd - f, ahead);
 }
 
 // f(std::integral_constant<int, G>) for G = min(remaining, kGroupBlock).
@@ -686,11 +678,14 @@ struct Attend {
       store(row, keys_t + head * hd * cap, key_scales ? key_scales + head * cap : nullptr, hd, cap,
             block, slot);
       store(row + kv_heads * hd, values_t + head * hd * cap,
-            value_scales ? value_scales + head * cap : nullptr, hd, cap, block, slot);
+            value_scales ? value_scales + head * cap : nullptr, hd, cap, 1, slot);  // a row
     }
-    // what follows this item's keys: its values; what follows its values: the keys of the
-    // item this thread takes next (`next`, or none: -1)
-    const Segment first_values = segment(t0, t0 + n, hd, cap, block);
+    // what follows this item's keys: its values (rows: one stretch from its first token on,
+    // read a block of tokens at a time); what follows its values: the keys of the item this
+    // thread takes next (`next`, or none: -1)
+    const Segment first_keys = segment(t0, t0 + n, hd, cap, block);
+    const T* values_start = v_head + t0 * hd;
+    const int64_t value_block = std::min(block, n);
     const T* next_keys = nullptr;
     int64_t next_elements = 0;
     if (next >= 0) {
@@ -702,18 +697,16 @@ struct Attend {
     }
     Prefetcher ahead;
     if (first_item) {  // the others' first keys were prefetched by the item before
-      ahead.start(k_head + first_values.offset, span(first_values), 1);
+      ahead.start(k_head + first_keys.offset, span(first_keys), 1);
       ahead.all();
     }
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
     // One query head per key/value head: scores[t] += q[d] * k[d, t], four rows of keys at
     // a time. Several (grouped-query, multi-query): the group's scores one small matrix
     // product, each key read once for all of them with their sums in registers
-    // (grouped_scores), and so the values (grouped_values).
-    const bool in_registers = groups > 1;
-    const T* values_start = v_head + first_values.offset;
-    const int64_t values_elements = span(first_values);
-    if (!in_registers) {
+    // (grouped_scores).
+    const int64_t values_elements = value_block * hd;
+    if (groups == 1) {
       std::fill(scores.begin(), scores.begin() + n, 0.0f);
       for_segments(k_head, t0, n, values_start, values_elements,
                    [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
@@ -769,43 +762,29 @@ struct Attend {
     for (int64_t i = 0; i < groups; ++i) {
       std::fill_n(partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2), hd, 0.0f);
     }
+    // out[i, f] = sum_t p[i, t] v[t, f]: a block of query heads against the rows of a block
+    // of tokens at a time, while the next block (or the next item's keys) is prefetched
     float* out0 = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2);
-    if (!in_registers) {  // out[d] = sum_t p[t] v[d, t], four rows of values at a time
-      for_segments(v_head, t0, n, next_keys, next_elements,
-                   [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-        ahead.start(after, after_elements, hd / kRows);
-        for (int64_t d = 0; d < hd; d += kRows) {
-          ahead.tick();
-          const T* v[kRows];
-          for (int64_t r = 0; r < kRows; ++r) v[r] = v_head + s.offset + (d + r) * s.stride;
-          dot4(scores.data() + u, v, s.m, out0 + d);
-        }
-      });
-      return;
-    }
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
-    for_segments(v_head, t0, n, next_keys, next_elements,
-                 [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-      int64_t ticks = 0;  // vectors grouped_values reads, block of query heads by block
+    for (int64_t u = 0; u < n; u += value_block) {
+      const int64_t m = std::min(value_block, n - u);
+      const bool last = u + m >= n;
+      int64_t ticks = 0;  // rows row_values reads, block of query heads by block
       for (int64_t i = 0; i < groups; i += kGroupBlock) {
         with_group_block(groups - i, [&](auto G) {
-          ticks += hd / value_rows<decltype(G)::value>() * std::max<int64_t>(1, s.m / Vec::size());
+          ticks += m * row_value_calls<decltype(G)::value>(hd);
         });
       }
-      ahead.start(after, after_elements, ticks);
-      // out[i, d] = sum_t p[i, t] v[d, t]: a block of query heads against two or four rows
-      // of values at a time (hd is a multiple of 4)
+      ahead.start(last ? next_keys : values_start + (u + m) * hd,
+                  last ? next_elements : std::min(value_block, n - u - m) * hd, ticks);
       for (int64_t i = 0; i < groups; i += kGroupBlock) {
         with_group_block(groups - i, [&](auto G) {
-          constexpr int R = value_rows<decltype(G)::value>();
-          for (int64_t d = 0; d < hd; d += R) {
-            grouped_values<decltype(G)::value>(scores.data() + i * n + u, n,
-                                               v_head + s.offset + d * s.stride, s.stride, s.m,
-                                               out0 + i * stride + d, stride, ahead);
-          }
+          all_row_values<decltype(G)::value>(scores.data() + i * n + u, n,
+                                             values_start + u * hd, hd, m,
+                                             out0 + i * stride, stride, ahead);
         });
       }
-    });
+    }
   }
 
   // attn (b, heads * hd): each head's chunks merged and normalised.
@@ -848,7 +827,7 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
       store(row, keys + head * a.hd * a.cap, ks ? ks + head * a.cap : nullptr, a.hd, a.cap,
             a.block, slot);
       store(row + kv_dim, values + head * a.hd * a.cap, vs ? vs + head * a.cap : nullptr, a.hd,
-            a.cap, a.block, slot);
+            a.cap, 1, slot);  // a row
     }
   }
   const int64_t groups = a.heads / a.kv_heads;
@@ -957,7 +936,8 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 //   k_norm        head normalised (Qwen3, Gemma 3), or (d_out,) and (kv_heads * hd,), the
 //                 projections normalised whole (OLMo 2); before the rotation
 //   keys_t,       one dtype (float32, bfloat16 or int8), contiguous, each (b, kv_heads,
-//   values_t      hd * capacity): kv_heads >= 1 dividing heads, capacity >= 1 (written)
+//   values_t      hd * capacity): kv_heads >= 1 dividing heads, capacity >= 1 (written);
+//                 keys_t in blocks of `block` tokens, values_t as rows (capacity, hd)
 //   key_scales,   an int8 cache's scales: float32 contiguous (b, kv_heads, capacity) each
 //   value_scales  (written); empty for a float32 or bfloat16 cache
 //   heads         >= 1 dividing d_out; hd = d_out / heads a multiple of 4 (the kernel reads
@@ -968,7 +948,7 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 //                 first + count <= capacity (KVCache.native_slots: [start + 1 - window or 0,
 //                 start] without rolling, [0, min(start + 1, capacity)) when rolling; the
 //                 new slot is usually among them, else it is written apart)
-//   block         tokens per block of the cache's layout, >= 1 (the last block may hold
+//   block         tokens per block of the keys' layout, >= 1 (the last block may hold
 //                 fewer; a block of more than the capacity is one block of the capacity)
 //   scale         the scores' scale, > 0 and finite in float32 (at most FLT_MAX; 1 / sqrt(hd))
 //   norm_eps,     the query/key norms' eps (> 0, finite in float32) and the offset added to
