@@ -167,7 +167,7 @@ def model_sized_steps(draw):
     return dict(
         seed=draw(st.integers(0, 2**31 - 1)),
         num_kv_heads=draw(st.sampled_from([12, 6, 4, 3, 2, 1])),
-        head_dim=draw(st.sampled_from([4, 12, 16, 64, 100])),
+        head_dim=draw(st.sampled_from([4, 6, 12, 16, 64, 100])),
         held=draw(st.integers(0, 1600)),
         batch=draw(st.integers(1, 9)),
         d_in=draw(st.sampled_from([16, 37, 100])),
@@ -203,6 +203,39 @@ def test_a_model_sized_native_step_equals_float64_attention_over_the_cache(c):
     heads = (scores.softmax(-1) @ values[:, :, seen]).transpose(1, 2).reshape(b, 1, m.d_out)
     want = heads @ m.out_proj.weight.double().T + m.out_proj.bias.double()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("held", [19, 40])
+def test_scores_far_below_zero_are_computed_natively(held, num_kv_heads):
+    """Every score near -1000 (each key points away from its query) over a count of keys no
+    vector width divides: the native step computes the step itself (the softmax's largest
+    score is a key's, never a padding lane's 0, whose exponentials would all underflow) and
+    equals float64 attention over the cache."""
+    m = build(4, 2, num_kv_heads, head_dim=4)
+    hd, groups = m.head_dim, 2 // num_kv_heads
+    with torch.no_grad():
+        w = m.qkv_proj.weight  # rows: queries (2 heads), keys, values
+        if groups > 1:
+            w[hd : 2 * hd] = w[:hd]  # the group's queries alike
+        w[m.d_out : m.d_out + m.kv_dim] = -w[: m.kv_dim]  # each key head = -its first query's
+        x = torch.randn(1, 1, 6)
+        q = m.qkv_proj(x)[..., : m.d_out].view(1, 2, 1, hd)  # (b, h, 1, hd)
+        x = x * (2000 / q.square().sum(-1).min()).sqrt()  # the least |q|^2 2000
+        q = m.qkv_proj(x)[..., : m.d_out].view(1, 2, 1, hd)
+        cache = m.make_cache(1, held + 1)
+        away = -q[:, ::groups] * torch.empty(1, 1, held, 1).uniform_(0.8, 1.2)  # (b, hkv, held, hd)
+        cache.update(away, torch.randn(1, num_kv_heads, held, hd))
+        got = decode_cpu.step(x, plan.native_module(m), 2, hd**-0.5, cache, None)
+    assert got is not None, "the native step refused its own result"
+    keys, values = (t.double().repeat_interleave(groups, 1) for t in _stored(cache))
+    scores = q.double() @ keys[:, :, : held + 1].transpose(-2, -1) / hd**0.5  # (b, h, 1, t)
+    assert scores.max() < -500
+    heads = (scores.softmax(-1) @ values[:, :, : held + 1]).transpose(1, 2).reshape(1, 1, -1)
+    want = heads @ m.out_proj.weight.double().T + m.out_proj.bias.double()
+    # float32 scores of magnitude 1000 are rounded by about 1e-4: so are the weights
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")

@@ -91,6 +91,21 @@ def _cache(*shape, dtype=torch.float32):
     return {"keys_t": torch.zeros(shape, dtype=dtype), "values_t": torch.zeros(shape, dtype=dtype)}
 
 
+def _head_dim(hd: int, rope: bool) -> dict:
+    """Arguments consistent with heads of hd features (not a multiple of 4): the fused
+    projection, the rotary tables (or none), the cache and the scale."""
+    d_out, d_qkv = HEADS * hd, (HEADS + 2 * KV_HEADS) * hd
+    return {
+        "w_qkv": torch.randn(d_qkv, D_IN),
+        "b_qkv": torch.randn(d_qkv),
+        "w_out": torch.randn(D_OUT, d_out),
+        "cos": torch.randn(ROWS, hd) if rope else torch.empty(0),
+        "sin": torch.randn(ROWS, hd) if rope else torch.empty(0),
+        **_cache(B, KV_HEADS, hd * CAP),
+        "scale": 1 / math.sqrt(hd),
+    }
+
+
 NO_ROPE = {"cos": torch.empty(0), "sin": torch.empty(0)}
 HEAD_NORMS = {"q_norm": torch.randn(HD), "k_norm": torch.randn(HD)}  # Qwen3's, per head
 PROJECTION_NORMS = {"q_norm": torch.randn(D_OUT), "k_norm": torch.randn(KV_HEADS * HD)}  # OLMo 2
@@ -298,7 +313,10 @@ DECODE_CASES = [
     ("heads_5_not_dividing", "heads", lambda a: {"heads": 5}),
     ("heads_64_more_than_d_out", "heads", lambda a: {"heads": 64}),
     ("heads_huge", "heads", lambda a: {"heads": 2**62}),
-    ("heads_16_head_dim_2", "head_dim", lambda a: {"heads": 16}),
+    ("heads_16_another_w_qkv", "w_qkv", lambda a: {"heads": 16}),  # head_dim 2: 40 rows
+    ("valid_head_dim_3_without_rope", None, lambda a: _head_dim(3, rope=False)),
+    ("valid_head_dim_6", None, lambda a: _head_dim(6, rope=True)),
+    ("head_dim_3_with_rope", "head_dim", lambda a: _head_dim(3, rope=True)),
     ("heads_8_other_layout", "w_qkv", lambda a: {"heads": 8}),
     ("heads_1_fewer_than_kv_heads", "kv_heads", lambda a: {"heads": 1}),
     # slot

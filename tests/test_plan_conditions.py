@@ -165,7 +165,6 @@ _NO_FORWARD = {"k_norm on meta", "q_norm over the projection's width", "both off
 REFUSED = {
     "backend math": lambda: build(backend="math"),
     "not causal": lambda: _changed(build(), causal=False),
-    "head_dim 6": lambda: MultiHeadAttention(16, 24, 48, 0.0, 4, num_kv_heads=2),
     "float64": lambda: build().double(),
     "float64 without biases": lambda: _changed(build(), out_proj=_out_proj(False)).double(),
     "out_proj float64": lambda: _changed(build(), out_proj=_out_proj(dtype=torch.float64)),
@@ -348,17 +347,19 @@ def test_rotary_tables_the_kernel_does_not_read_take_the_python_path(change):
     assert cache.position == 0
 
 
-UNTAKEN = {
-    "head_dim 6": dict(d_out=24, rope=True),
-    "partial rotary": dict(rope=True, rotary_dim=4),
+UNTAKEN = {"partial rotary": dict(rope=True, rotary_dim=4)}
+ODD_HEADS = {  # head dims no vector width divides
+    "head_dim 6, rotary": dict(d_out=24, rope=True),
+    "head_dim 5": dict(d_out=20),
+    "head_dim 3, one key/value head": dict(d_out=12, num_kv_heads=1),
 }
 
 
 @needs_native
 @pytest.mark.parametrize("case", sorted(UNTAKEN))
 def test_what_the_kernel_does_not_compute_decodes_as_the_full_forward(case):
-    """A head_dim that is not a multiple of 4, partial rotary positions: the native step
-    computes neither, the Python path both."""
+    """Partial rotary positions: the native step does not compute them, the Python path
+    does."""
     kwargs = dict(UNTAKEN[case])
     torch.manual_seed(0)
     m = MultiHeadAttention(16, kwargs.pop("d_out", 32), 48, 0.0, 4, num_kv_heads=2, **kwargs)
@@ -366,6 +367,20 @@ def test_what_the_kernel_does_not_compute_decodes_as_the_full_forward(case):
     x = torch.randn(2, 7, 16)
     with torch.no_grad():
         assert plan.native_decode(m, x[:, :1], m.make_cache(2)) is None
+        torch.testing.assert_close(decode(m, x), m(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(ODD_HEADS))
+def test_head_dims_of_any_size_decode_natively_as_the_full_forward(case):
+    """Head dims that are not a multiple of 4 (nor even, without rotary positions): the
+    native step takes a step, and decoding equals the full forward."""
+    kwargs = {"num_kv_heads": 2} | ODD_HEADS[case]
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, kwargs.pop("d_out"), 48, 0.0, 4, **kwargs).eval()
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        assert plan.native_decode(m, x[:, :1], m.make_cache(2)) is not None
         torch.testing.assert_close(decode(m, x), m(x), rtol=1e-5, atol=1e-5)
 
 

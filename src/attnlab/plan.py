@@ -287,16 +287,15 @@ def project(x: torch.Tensor, layer: nn.Module, shape: tuple[int | None, int]) ->
 
 def native_module(module: MultiHeadAttention) -> decode_cpu.Weights | None:
     """The tensors the native decode step reads (decode_cpu.Weights) when the module as it
-    is now suits it, else None: backend "auto", causal, no dropout applied, a head_dim that
-    is a multiple of 4, its own steps, rotary embedding and query/key norms, and plain
-    float32 CPU projections of exactly its shapes (the output projection of any width), with
-    no hooks."""
+    is now suits it, else None: backend "auto", causal, no dropout applied, its own steps,
+    rotary embedding and query/key norms, and plain float32 CPU projections of exactly its
+    shapes (the output projection of any width), with no hooks."""
     state = module.__dict__  # attribute reads without nn.Module.__getattr__: paid per call
     d_in, d_out = state["d_in"], state["d_out"]
     head_dim = d_out // state["num_heads"]  # the properties head_dim, kv_dim, fused
     if state["backend"] != "auto" or not state["causal"] or state["context_dim"] != d_in:
         return None
-    if (state["training"] and state["dropout"] > 0) or head_dim % 4:
+    if state["training"] and state["dropout"] > 0:
         return None
     if not type(module)._steps_as_written() or not state.keys() <= _fresh_attention_state():
         return None  # a subclass's step; the instance's own step or attribute (forward...)

@@ -357,7 +357,6 @@ bool read_layer(PyObject* d, Layer& layer, double& scale) {
   if (context_dim != layer.d_in || layer.d_out % layer.heads != 0) return false;
   if (layer.heads % layer.kv_heads != 0) return false;
   layer.hd = layer.d_out / layer.heads;
-  if (layer.hd % 4 != 0) return false;
   if (!is_string(item(d, names.backend), "auto") || item(d, names.causal) != Py_True) {
     return false;
   }

@@ -65,7 +65,7 @@ using Vec = at::vec::Vectorized<float>;
 // their merge, the prefetch of its first block before anything else hides it)
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
-constexpr int64_t kRows = 4;  // cache rows (head dimensions) read side by side
+constexpr int64_t kRows = 4;  // weight rows read side by side
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kRegisters = 32;  // vector registers
 #else
@@ -379,50 +379,6 @@ inline Vec load_part(const T* p, int64_t count) {
   return Vec::loadu(lanes);
 }
 
-// y += a[0] x[0] + ... + a[3] x[3]: four rows of the cache read side by side
-template <typename T>
-void axpy4(const float* a, const T* const* x, float* y, int64_t n) {
-  const Vec a0(a[0]), a1(a[1]), a2(a[2]), a3(a[3]);
-  int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) {
-    Vec acc = at::vec::fmadd(a0, load(x[0] + t), Vec::loadu(y + t));
-    acc = at::vec::fmadd(a1, load(x[1] + t), acc);
-    acc = at::vec::fmadd(a2, load(x[2] + t), acc);
-    at::vec::fmadd(a3, load(x[3] + t), acc).store(y + t);
-  }
-  for (; t < n; ++t) {
-    y[t] += a[0] * widen(x[0][t]) + a[1] * widen(x[1][t]) + a[2] * widen(x[2][t]) +
-            a[3] * widen(x[3][t]);
-  }
-}
-
-// The largest of row[0..n) (a vector of running maxima: a scalar chain waits on each max).
-float max_of(const float* row, int64_t n) {
-  Vec acc(kNegInf);
-  int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(row + t));
-  float lanes[Vec::size()];
-  acc.store(lanes);
-  float m = kNegInf;
-  for (int64_t l = 0; l < Vec::size(); ++l) m = std::max(m, lanes[l]);
-  for (; t < n; ++t) m = std::max(m, row[t]);
-  return m;
-}
-
-// Whether every value of the row is above -inf (NaN is not): a score of -inf from finite
-// keys and queries is float32 overflowing, in a partial sum of q . k or in the scale.
-bool above_minus_infinity(const float* row, int64_t n) {
-  Vec acc(std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) acc = at::vec::minimum(acc, Vec::loadu(row + t));
-  float lanes[Vec::size()];
-  acc.store(lanes);
-  bool above = true;
-  for (int64_t l = 0; l < Vec::size(); ++l) above = above && lanes[l] > kNegInf;
-  for (; t < n; ++t) above = above && row[t] > kNegInf;
-  return above;
-}
-
 // row <- exp(row - max); returns the sum (ATen's vectorised exp).
 float exp_sum(float* row, int64_t n, float row_max) {
   const Vec vmax(row_max);
@@ -492,6 +448,37 @@ constexpr int key_vectors() {
   return std::max(1, std::min(4, (kRegisters - 1) / (G + 1)));
 }
 
+// What a block of query heads' scores are scaled by as they leave the registers, and the
+// running bounds kept there: scores are stored as (q . k) x scale (x the key's scale for an
+// int8 cache: key_scales[t], the segment's keys), and maxima[i] and minima[i] (a vector
+// each, per query head of the block) take their lane-wise largest and least (NaN
+// propagates), so that no pass over the stored scores is needed for the softmax's maximum
+// or for the overflow check.
+struct ScoreBounds {
+  float scale;
+  const float* key_scales;  // at the segment's first key, or nullptr
+  Vec* maxima;
+  Vec* minima;
+
+  ScoreBounds at(int64_t t) const {
+    return {scale, key_scales ? key_scales + t : nullptr, maxima, minima};
+  }
+
+  // sums (the lanes at keys t, `count` of them) scaled, and the bounds of query head i taken
+  inline Vec finish(const Vec& sums, int i, int64_t t, int64_t count = Vec::size()) const {
+    Vec scaled = key_scales ? sums * (Vec::loadu(key_scales + t, count) * Vec(scale))
+                            : sums * Vec(scale);
+    if (count == Vec::size()) {
+      maxima[i] = at::vec::maximum(maxima[i], scaled);
+      minima[i] = at::vec::minimum(minima[i], scaled);
+    } else {  // the lanes past the keys leave the bounds as they are
+      maxima[i] = at::vec::maximum(maxima[i], Vec::set(Vec(kNegInf), scaled, count));
+      minima[i] = at::vec::minimum(minima[i], Vec::set(Vec(-kNegInf), scaled, count));
+    }
+    return scaled;
+  }
+};
+
 // Grouped heads (several query heads per key/value head): the cache is read once for all of
 // them, the group's scores one small matrix product whose tile of sums stays in registers.
 // Scores of G query heads for the m keys at k (rows of hd features, cap apart; `ahead` ticks
@@ -499,7 +486,7 @@ constexpr int key_vectors() {
 // key vector loaded once for the G heads (NV loads and G broadcasts per NV G multiply-adds).
 template <int G, int NV = key_vectors<G>(), typename T>
 void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t m,
-                    float* scores, int64_t n, Prefetcher& ahead) {
+                    float* scores, int64_t n, const ScoreBounds& bounds, Prefetcher& ahead) {
   constexpr int64_t w = Vec::size();
   int64_t t = 0;
   for (; t + NV * w <= m; t += NV * w) {
@@ -525,13 +512,15 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
     ATTNLAB_UNROLL
     for (int i = 0; i < G; ++i) {
       ATTNLAB_UNROLL
-      for (int j = 0; j < NV; ++j) a[i][j].store(scores + i * n + t + j * w);
+      for (int j = 0; j < NV; ++j) {
+        bounds.finish(a[i][j], i, t + j * w).store(scores + i * n + t + j * w);
+      }
     }
   }
   if constexpr (NV > 1) {  // the keys left, fewer than a step: one vector at a time
     if (t + w <= m) {
       const int64_t rest = (m - t) / w * w;
-      grouped_scores<G, 1>(q, hd, k + t, cap, rest, scores + t, n, ahead);
+      grouped_scores<G, 1>(q, hd, k + t, cap, rest, scores + t, n, bounds.at(t), ahead);
       t += rest;
     }
   }
@@ -546,7 +535,7 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
       for (int i = 0; i < G; ++i) a[i] = at::vec::fmadd(Vec(q[i * hd + d]), kv, a[i]);
     }
     ATTNLAB_UNROLL
-    for (int i = 0; i < G; ++i) a[i].store(scores + i * n + t, rest);
+    for (int i = 0; i < G; ++i) bounds.finish(a[i], i, t, rest).store(scores + i * n + t, rest);
   }
 }
 
@@ -665,7 +654,8 @@ struct Attend {
   // One (sequence, key/value head, chunk of keys) for the `groups` query heads sharing it.
   template <typename T>
   void item(int64_t index, T* keys_t, T* values_t, float* key_scales, float* value_scales,
-            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores) const {
+            int64_t slot, int64_t next, bool first_item, std::vector<float>& scores,
+            std::vector<Vec>& bounds) const {
     const int64_t c = index % chunks;
     int64_t b, g, t0, n;
     locate(index, b, g, t0, n);
@@ -701,55 +691,42 @@ struct Attend {
       ahead.all();
     }
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
-    // One query head per key/value head: scores[t] += q[d] * k[d, t], four rows of keys at
-    // a time. Several (grouped-query, multi-query): the group's scores one small matrix
-    // product, each key read once for all of them with their sums in registers
-    // (grouped_scores).
-    const int64_t values_elements = value_block * hd;
-    if (groups == 1) {
-      std::fill(scores.begin(), scores.begin() + n, 0.0f);
-      for_segments(k_head, t0, n, values_start, values_elements,
-                   [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-        ahead.start(after, after_elements, hd / kRows);
-        for (int64_t d = 0; d < hd; d += kRows) {  // widened in registers as they are read
-          ahead.tick();
-          const T* k[kRows];
-          for (int64_t r = 0; r < kRows; ++r) k[r] = k_head + s.offset + (d + r) * s.stride;
-          axpy4(q + d, k, scores.data() + u, s.m);
-        }
-      });
-    } else {
-      for_segments(k_head, t0, n, values_start, values_elements,
-                   [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
-        int64_t ticks = 0;  // rows grouped_scores reads, block of query heads by block
-        for (int64_t i = 0; i < groups; i += kGroupBlock) {
-          with_group_block(groups - i, [&](auto G) {
-            constexpr int64_t step = key_vectors<decltype(G)::value>() * Vec::size();
-            ticks += hd * std::max<int64_t>(1, s.m / step);
-          });
-        }
-        ahead.start(after, after_elements, ticks);
-        for (int64_t i = 0; i < groups; i += kGroupBlock) {
-          with_group_block(groups - i, [&](auto G) {
-            grouped_scores<decltype(G)::value>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
-                                               scores.data() + i * n + u, n, ahead);
-          });
-        }
-      });
-    }
+    // The group's scores one small matrix product, each key read once for a block of up to
+    // kGroupBlock query heads with their sums in registers (grouped_scores), scaled there and
+    // bounded (ScoreBounds: per query head, the largest score and the least, vectors)
+    Vec* maxima = bounds.data();
+    Vec* minima = maxima + groups;
+    std::fill_n(maxima, groups, Vec(kNegInf));
+    std::fill_n(minima, groups, Vec(-kNegInf));
+    const float* ks = key_scales ? key_scales + head * cap + t0 : nullptr;
+    for_segments(k_head, t0, n, values_start, value_block * hd,
+                 [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
+      int64_t ticks = 0;  // rows grouped_scores reads, block of query heads by block
+      for (int64_t i = 0; i < groups; i += kGroupBlock) {
+        with_group_block(groups - i, [&](auto G) {
+          constexpr int64_t step = key_vectors<decltype(G)::value>() * Vec::size();
+          ticks += hd * std::max<int64_t>(1, s.m / step);
+        });
+      }
+      ahead.start(after, after_elements, ticks);
+      for (int64_t i = 0; i < groups; i += kGroupBlock) {
+        with_group_block(groups - i, [&](auto G) {
+          const ScoreBounds to{scale, ks ? ks + u : nullptr, maxima + i, minima + i};
+          grouped_scores<decltype(G)::value>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
+                                             scores.data() + i * n + u, n, to, ahead);
+        });
+      }
+    });
     for (int64_t i = 0; i < groups; ++i) {
       float* s = scores.data() + i * n;
-      float m;
-      if (key_scales) {
-        const float* ks = key_scales + head * cap + t0;
-        for (int64_t t = 0; t < n; ++t) s[t] *= ks[t] * scale;
-      } else {
-        for (int64_t t = 0; t < n; ++t) s[t] *= scale;
-      }
-      m = max_of(s, n);
+      float lanes[Vec::size()];
+      maxima[i].store(lanes);
+      const float m = *std::max_element(lanes, lanes + Vec::size());
       // a score that overflowed to -inf would silently weigh 0 (to +inf: NaN anyway): the
       // sum made NaN makes the output NaN, which the step refuses
-      const bool overflowed = !above_minus_infinity(s, n);
+      minima[i].store(lanes);
+      const bool overflowed = !std::all_of(lanes, lanes + Vec::size(),
+                                           [](float x) { return x > kNegInf; });
       const float sum = overflowed ? std::numeric_limits<float>::quiet_NaN() : exp_sum(s, n, m);
       if (value_scales) {  // the value scales folded into the weights
         const float* vs = value_scales + head * cap + t0;
@@ -835,9 +812,10 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
   at::parallel_for(0, batch * a.kv_heads * a.chunks, grain_for(item_floats), [&](int64_t begin,
                                                                                   int64_t end) {
     std::vector<float> scores(groups * a.chunk);
+    std::vector<Vec> bounds(2 * groups);  // per query head: the largest and least scores
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
-                index + 1 < end ? index + 1 : -1, index == begin, scores);
+                index + 1 < end ? index + 1 : -1, index == begin, scores, bounds);
     }
   });
   a.merge(batch, attn);
@@ -940,8 +918,7 @@ void check_apart(const at::Tensor& written, const char* written_name, const at::
 //                 keys_t in blocks of `block` tokens, values_t as rows (capacity, hd)
 //   key_scales,   an int8 cache's scales: float32 contiguous (b, kv_heads, capacity) each
 //   value_scales  (written); empty for a float32 or bfloat16 cache
-//   heads         >= 1 dividing d_out; hd = d_out / heads a multiple of 4 (the kernel reads
-//                 four rows of a head at a time)
+//   heads         >= 1 dividing d_out; hd = d_out / heads (even with cos and sin)
 //   position      the new token's position: >= 0, and < rows when cos/sin are given
 //   slot          where the new key and value are written: in [0, capacity)
 //   first, count  the slots attended to, [first, first + count): 0 <= first, 1 <= count,
@@ -988,8 +965,6 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   TORCH_CHECK(heads >= 1 && d_out % heads == 0, "decode_step: heads (", heads,
               ") must be >= 1 and divide d_out (", d_out, ", w_out's columns)");
   const int64_t hd = d_out / heads;
-  TORCH_CHECK(hd % kRows == 0, "decode_step: head_dim (", hd, " = d_out ", d_out, " / heads ",
-              heads, ") must be a multiple of ", kRows);
   check_tensor(keys_t, "keys_t");
   const auto cache_dtype = keys_t.scalar_type();
   TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16 ||
@@ -1031,6 +1006,8 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
     check_float(sin, "sin");
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd, "decode_step: cos must be (rows, hd ", hd,
                 "), got shape ", cos.sizes());
+    TORCH_CHECK(hd % 2 == 0, "decode_step: rotary positions rotate pairs of features: head_dim (",
+                hd, ") must be even with cos and sin");
     check_shape(sin, "sin", cos.sizes());
     TORCH_CHECK(position < cos.size(0), "decode_step: position (", position,
                 ") must be in [0, rotary rows ", cos.size(0), ")");
