@@ -21,6 +21,9 @@ double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
   std::vector<float> k(heads * span, 0.01f), v(heads * span, 0.02f), q(groups * hd, 0.5f);
   std::vector<float> scores(groups * keys, 0.1f), out(groups * (hd + 2), 0.0f);
   Prefetcher ahead;
+#if defined(ATTNLAB_SCORE_BOUNDS)  // the scores scaled and bounded as they are stored
+  std::vector<Vec> bounds(2 * groups);
+#endif
   auto score_ticks = [&] {
     int64_t ticks = 0;
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
@@ -50,8 +53,14 @@ double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
     ahead.start(v_head, heads > 1 ? span : 0, score_ticks);
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
       with_group_block(groups - i, [&](auto G) {
+#if defined(ATTNLAB_SCORE_BOUNDS)
+        const ScoreBounds to{0.125f, nullptr, bounds.data() + i, bounds.data() + groups + i};
+        grouped_scores<decltype(G)::value>(q.data() + i * hd, hd, k_head, keys, keys,
+                                scores.data() + i * keys, keys, to, ahead);
+#else
         grouped_scores<decltype(G)::value>(q.data() + i * hd, hd, k_head, keys, keys,
                                 scores.data() + i * keys, keys, ahead);
+#endif
       });
     }
     ahead.start(k.data() + ((r + 1) % heads) * span, heads > 1 ? span : 0, value_ticks);

@@ -39,8 +39,10 @@
 #include <utility>
 #include <vector>
 
-// The values are stored as rows (capacity, hd) (scripts/decode_kernel_rates.cpp reads it)
+// What scripts/decode_kernel_rates.cpp reads to call this version's kernels: the values are
+// stored as rows (capacity, hd); grouped_scores takes a ScoreBounds
 #define ATTNLAB_VALUE_ROWS 1
+#define ATTNLAB_SCORE_BOUNDS 1
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define ATTNLAB_X86 1  // x86 intrinsics: prefetches and widening loads
