@@ -15,10 +15,10 @@ figures of an earlier run (`--compare`):
     git show HEAD:src/attnlab/csrc/decode_step.cpp > /tmp/before.cpp
     python scripts/decode_gqa.py --baseline /tmp/before.cpp
     python scripts/decode_gqa.py --json before.json   # then, after the change:
+    python scripts/decode_gqa.py --compare before.json
 
 A baseline from before the values became rows (2026-11-27) reads a copy of them laid out as
 the keys: add `--baseline-values-like-keys`.
-    python scripts/decode_gqa.py --compare before.json
 
 Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
     [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]

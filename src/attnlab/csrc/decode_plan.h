@@ -504,8 +504,8 @@ std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
 constexpr const char* kOverflow = "decode_step: the output is not finite";
 
 // A rolling cache's slot as it was before the step (each head's features in the keys and
-// the values, then an int8 cache's two scales), kept to be put back when the step is refused, as
-// KVCache.transaction does on the Python face
+// the values, then an int8 cache's two scales), kept to be put back when the step is
+// refused, as KVCache.transaction does on the Python face
 class SlotKept {
  public:
   explicit SlotKept(const Call& call) : call_(call) { each([](char* held, char* kept, int64_t n) {

@@ -779,7 +779,9 @@ struct Attend {
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
     int64_t calls = 0;  // of row_values per row, block of query heads by block
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
-      with_group_block(groups - i, [&](auto G) { calls += row_value_calls<decltype(G)::value>(hd); });
+      with_group_block(groups - i, [&](auto G) {
+        calls += row_value_calls<decltype(G)::value>(hd);
+      });
     }
     ahead.start_far(next_keys, next_elements, n * calls);
     for (int64_t u = 0; u < n; u += value_block) {
