@@ -78,3 +78,24 @@ def test_latent_rows_count_the_latent_cache_and_the_absorbed_step():
     params += heads * dv * 32  # q_proj, kv_a_proj_with_mqa, its norm, kv_b_proj, o_proj
     assert row.weight_bytes == LAYERS * params * 4
     assert row.flops == LAYERS * (2 * params + 2 * heads * (2 * r + dr) * held)
+
+
+def test_a_rows_bandwidth_is_the_median_of_the_probes_between_its_steps(monkeypatch):
+    """A probe of the bandwidth before every PROBE_EVERY-th step; the row's bandwidth is
+    their median (not one read after the row, which a burst of the host's bandwidth can
+    meet alone)."""
+    from attnlab.bench import decode_stack
+
+    probe_times = iter([4.0, 1.0, 2.0])  # seconds per read, one per probe
+    real_best = decode_stack._best
+
+    def best(fn, calls=decode_stack.BEST_OF):
+        return next(probe_times) if calls == decode_stack.PROBE_READS else real_best(fn, calls)
+
+    monkeypatch.setattr(decode_stack, "_best", best)
+    nbytes = 2**20
+    (row,) = run_stack_decode(
+        [StackSpec(KV, 1, "float32", 8)], d_model=D, num_heads=HEADS, layers=LAYERS,
+        steps=3 * decode_stack.PROBE_EVERY, bandwidth_bytes=nbytes, matmul_size=32,
+    ).rows  # fmt: skip
+    assert row.read_bytes_per_s == nbytes / 2.0

@@ -4,19 +4,23 @@ both limits a step can meet.
 A stack of `layers` MultiHeadAttention layers (each its own weights and cache, float32,
 no_grad) takes a prompt of `context` tokens, then `steps` single-token steps, each through
 the whole stack (each layer's output is the next one's input); a row's figure is the median
-step. Nothing is flushed between steps: the layers run back to back as in a user's model,
-so whatever of the weights and caches the CPU's last-level cache still holds from the step
-before is read from there (the cold figures of attnlab.bench.decode flush it before each
-step instead).
+step. Within a step the layers run back to back as in a user's model, each layer's weights
+and cache read with whatever the layers before left in the CPU's caches (the cold figures of
+attnlab.bench.decode flush them before each step instead).
 
 The floor of a step is max(bytes / bandwidth, flops / matmul rate):
 
 - bytes: every weight of the stack and every cache byte held (keys, values and an int8
   cache's scales), read once per step;
 - flops: per sequence, 2 x parameters + 4 x heads x head_dim x tokens held, per layer;
-- bandwidth: a 256 MiB `torch.sum`, best of 5; matmul rate: a 1024^3 float32 matmul, best
-  of 5; both measured right after each row, so that a row is judged by the machine as it
-  was when it ran.
+- bandwidth: a 256 MiB `torch.sum` (the faster of two) before every fifth step, the row's
+  figure their median, so that the steps are judged by the memory system as it was while
+  they ran: a shared host's bandwidth moves under a virtual machine within seconds (seen on
+  the 2-core machine of 2026-11-27: a 256 MiB read at 31-35 GB/s, then for 1 to 5 s at
+  50-62, then back; docs/guide/benchmarks.md), and one probe after the row, as before,
+  judged the row by whichever it met. A probe evicts the last-level cache, so the step
+  after it (4 of 20, above the median) finds nothing of the step before there;
+- matmul rate: a 1024^3 float32 matmul, best of 5, right after each row.
 
 Which of the two terms is larger (binds) is reported per row. A profile (`profile_layer`)
 splits one layer's step into what can be timed apart: the two projections (F.linear), the
@@ -47,6 +51,8 @@ MODEL = {"d_model": 768, "num_heads": 12, "layers": 12}
 BANDWIDTH_BYTES = 256 * 2**20
 MATMUL_SIZE = 1024
 BEST_OF = 5
+PROBE_EVERY = 5  # steps between two probes of the bandwidth
+PROBE_READS = 2  # reads of the bandwidth buffer per probe, the faster one kept
 
 
 @dataclass(frozen=True)
@@ -234,14 +240,18 @@ def prompted(modules, spec: StackSpec, steps: int):
 
 def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size: int):
     caches = prompted(modules, spec, steps)
-    times = []
+    probe = torch.ones(bandwidth_bytes // 4)
+    times, rates = [], []
     with torch.no_grad():
-        for _ in range(steps):
+        for step in range(steps):
+            if step % PROBE_EVERY == 0:
+                rates.append(probe.nbytes / _best(probe.sum, PROBE_READS))
             hidden = torch.randn(spec.batch, 1, _width(modules[0]))  # (b, 1, d)
             start = time.perf_counter()
             for module, cache in zip(modules, caches, strict=True):
                 hidden = module(hidden, cache=cache)
             times.append(time.perf_counter() - start)
+    del probe
     held = spec.context + steps // 2  # tokens held at the median step
     cache_bytes = sum(_held_bytes(cache, held) for cache in caches)
     del caches
@@ -257,7 +267,7 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
         weight_bytes=sum(p.nbytes for m in modules for p in m.parameters()),
         cache_bytes=cache_bytes,
         flops=len(modules) * spec.batch * _flops_per_sequence(first, held),
-        read_bytes_per_s=read_bandwidth(bandwidth_bytes),
+        read_bytes_per_s=statistics.median(rates),
         flops_per_s=matmul_rate(matmul_size),
     )
 
@@ -292,9 +302,9 @@ def matmul_rate(size: int = MATMUL_SIZE) -> float:
     return 2 * size**3 / _best(lambda: torch.mm(a, b))
 
 
-def _best(fn: Callable[[], object]) -> float:
+def _best(fn: Callable[[], object], calls: int = BEST_OF) -> float:
     best = float("inf")
-    for _ in range(BEST_OF):
+    for _ in range(calls):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
