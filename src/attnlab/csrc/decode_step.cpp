@@ -66,7 +66,7 @@ using Vec = at::vec::Vectorized<float>;
 // keys per attention work item, at least: each item pays a fixed cost (its partial sums and
 // their merge, the prefetch of its first block before anything else hides it)
 constexpr int64_t kMinChunk = 512;
-constexpr int64_t kPrefetch = 1024;  // floats ahead of a weight row's read (4 KiB)
+constexpr int64_t kPrefetch = 1024;  // floats ahead of dot's read (4 KiB), prefetched into L2
 constexpr int64_t kRows = 4;  // weight rows read side by side
 constexpr int64_t kAhead = 2;  // blocks of weight rows between the one read and the one prefetched
 #if defined(CPU_CAPABILITY_AVX512)
@@ -93,7 +93,7 @@ float dot(const float* a, const float* b, int64_t n) {
   for (; i + 4 * w <= n; i += 4 * w) {
 #if defined(ATTNLAB_X86)
     for (int64_t line = 0; line < 4 * w; line += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetch + line), _MM_HINT_T1);
     }
 #endif
     s0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s0);
@@ -215,11 +215,23 @@ inline int64_t passes_over(int64_t rows) {
 
 // y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory,
 // in blocks of four rows that stay in L1 while every row of x (in L1 too) meets them; the
-// block kAhead on is prefetched into L2 while one is used (into L1 and one block on, as
-// before 2026-11-27, a 12-layer step took 1.1x to 1.25x as long at 256 tokens, batch 1 and
-// 8, on a 2-core Zen 4: scripts/decode_gqa.py --baseline; two or four blocks on, the same).
+// block two on is prefetched into L2 while one is used (into L1, one block on, as before
+// 2026-11-27, the weights were read 10% to 20% slower: at batch 8 a block, the next one and
+// x's rows are more than Zen 4's 32 KiB L1 holds; scripts/decode_gqa.py --baseline).
+//
+// One row of x reads the weights one row at a time instead (dot): each thread's rows are then
+// one sequential read, which the CPU's own prefetcher follows at full speed, where four rows
+// side by side are four streams it follows less well (one thread summing 1 GiB on a Zen 4:
+// one stream 26 GB/s, four rows side by side at most 21 with any prefetch distance).
 void project(const float* x, int64_t rows, int64_t in, const float* w, const float* bias,
              int64_t out, float* y) {
+  if (rows == 1) {
+    at::parallel_for(0, out, std::max<int64_t>(8 * kRows, grain_for(in)), [&](int64_t begin,
+                                                                        int64_t end) {
+      for (int64_t j = begin; j < end; ++j) y[j] = dot(x, w + j * in, in) + (bias ? bias[j] : 0.0f);
+    });
+    return;
+  }
   const int64_t blocks = out / kRows, passes = passes_over(rows);
   at::parallel_for(0, blocks, std::max<int64_t>(8, grain_for(kRows * in)), [&](int64_t begin,
                                                                               int64_t end) {
