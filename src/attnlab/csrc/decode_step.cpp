@@ -68,7 +68,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kPrefetch = 1024;  // floats ahead of dot's read (4 KiB), prefetched into L2
 constexpr int64_t kRows = 4;  // weight rows read side by side
-constexpr int64_t kAhead = 2;  // blocks of weight rows between the one read and the one prefetched
+constexpr int64_t kStreamAhead = 256;  // floats ahead of a weight row's read, prefetched (1 KiB)
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kRegisters = 32;  // vector registers
 #else
@@ -157,13 +157,14 @@ inline void sum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, flo
 #endif
 }
 
-// sums[r * kRows + k] = x[r] . w[k] for R rows of x (`in` apart) and kRows weight rows read
-// side by side, 4 R sums in registers: R = 4 keeps 16 independent multiply-add chains in
-// flight (two FMA units of latency 4 need 8) with a load per two multiply-adds. Each
-// iteration also prefetches the same line of `next_rows` rows of the next block.
+// sums[r * kRows + k] = x[r] . w[k * stride] for R rows of x (`in` apart) and kRows weight
+// rows (`stride` apart) read side by side, 4 R sums in registers: R = 4 keeps 16 independent
+// multiply-add chains in flight (two FMA units of latency 4 need 8) with a load per two
+// multiply-adds. Each iteration prefetches each weight row's line `ahead` floats on into L2
+// (past a row's end: the next row of the same stream).
 template <int R>
-void dot_rows(const float* x, const float* w, int64_t in, float* sums, const float* next,
-              int64_t next_rows) {
+void dot_rows(const float* x, const float* w, int64_t in, int64_t stride, float* sums,
+              int64_t ahead) {
   const int64_t n = Vec::size();
   Vec a[R][kRows];
   ATTNLAB_UNROLL
@@ -174,15 +175,16 @@ void dot_rows(const float* x, const float* w, int64_t in, float* sums, const flo
   int64_t i = 0;
   for (; i + n <= in; i += n) {
 #if defined(ATTNLAB_X86)
-    if (next && i % 16 == 0) {
-      for (int64_t k = 0; k < next_rows; ++k) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * in + i), _MM_HINT_T1);
+    if (i % 16 == 0) {
+      ATTNLAB_UNROLL
+      for (int k = 0; k < kRows; ++k) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + k * stride + i + ahead), _MM_HINT_T1);
       }
     }
 #endif
     Vec v[kRows];
     ATTNLAB_UNROLL
-    for (int k = 0; k < kRows; ++k) v[k] = Vec::loadu(w + k * in + i);
+    for (int k = 0; k < kRows; ++k) v[k] = Vec::loadu(w + k * stride + i);
     ATTNLAB_UNROLL
     for (int r = 0; r < R; ++r) {
       const Vec xr = Vec::loadu(x + r * in + i);
@@ -194,7 +196,9 @@ void dot_rows(const float* x, const float* w, int64_t in, float* sums, const flo
   for (int r = 0; r < R; ++r) sum4(a[r][0], a[r][1], a[r][2], a[r][3], sums + r * kRows);
   for (; i < in; ++i) {
     for (int r = 0; r < R; ++r) {
-      for (int64_t k = 0; k < kRows; ++k) sums[r * kRows + k] += x[r * in + i] * w[k * in + i];
+      for (int64_t k = 0; k < kRows; ++k) {
+        sums[r * kRows + k] += x[r * in + i] * w[k * stride + i];
+      }
     }
   }
 }
@@ -206,50 +210,30 @@ constexpr int kXRows = 4 * 4 + kRows + 1 <= kRegisters ? 4 : 2;
 // Rows of x the next pass takes, of `left`: kXRows, else 2, else 1.
 inline int64_t pass_rows(int64_t left) { return left >= kXRows ? kXRows : (left >= 2 ? 2 : 1); }
 
-// Passes over a block of weight rows for `rows` rows of x.
-inline int64_t passes_over(int64_t rows) {
-  int64_t passes = 0;
-  for (int64_t left = rows; left > 0; left -= pass_rows(left)) ++passes;
-  return passes;
-}
-
 // y (rows, out) = x (rows, in) @ w (out, in)^T + bias: each weight row read once from memory,
-// in blocks of four rows that stay in L1 while every row of x (in L1 too) meets them; the
-// block two on is prefetched into L2 while one is used (into L1, one block on, as before
-// 2026-11-27, the weights were read 10% to 20% slower: at batch 8 a block, the next one and
-// x's rows are more than Zen 4's 32 KiB L1 holds; scripts/decode_gqa.py --baseline).
-//
-// One row of x reads the weights one row at a time instead (dot): each thread's rows are then
-// one sequential read, which the CPU's own prefetcher follows at full speed, where four rows
-// side by side are four streams it follows less well (one thread summing 1 GiB on a Zen 4:
-// one stream 26 GB/s, four rows side by side at most 21 with any prefetch distance).
+// four rows side by side that stay in L1 while every row of x (in L1 too) meets them. The
+// four are a quarter of the thread's rows apart, so that each is a long sequential read
+// through its quarter (rows j, j + 1, ... are contiguous), which the CPU's own prefetcher
+// follows, helped by a prefetch `ahead`. Four adjacent rows instead, as before 2026-11-27,
+// are streams of 3 KiB that it keeps losing: one thread on a 2-core Zen 4 reads 1 GiB that
+// way at 20.5 GB/s, in quarters at 29.2, torch.sum 26.6 (scripts/read_patterns.py); a
+// 12-layer step took 0.73-0.97 of the time before (scripts/decode_gqa.py --baseline).
 void project(const float* x, int64_t rows, int64_t in, const float* w, const float* bias,
              int64_t out, float* y) {
-  if (rows == 1) {
-    at::parallel_for(0, out, std::max<int64_t>(8 * kRows, grain_for(in)), [&](int64_t begin,
-                                                                        int64_t end) {
-      for (int64_t j = begin; j < end; ++j) y[j] = dot(x, w + j * in, in) + (bias ? bias[j] : 0.0f);
-    });
-    return;
-  }
-  const int64_t blocks = out / kRows, passes = passes_over(rows);
-  at::parallel_for(0, blocks, std::max<int64_t>(8, grain_for(kRows * in)), [&](int64_t begin,
-                                                                              int64_t end) {
+  const int64_t grain = std::max<int64_t>(8 * kRows, grain_for(in));
+  at::parallel_for(0, out, grain, [&](int64_t begin, int64_t end) {
+    const int64_t quarter = (end - begin) / kRows;  // rows per stream
+    // floats ahead of the reads, prefetched by every pass: further where several passes
+    // take longer over each row (one pass: 1 KiB; two: 4 KiB, 0.81 of 1 KiB's time)
+    const int64_t ahead = rows <= kXRows ? kStreamAhead : 4 * kStreamAhead;
     float sums[kXRows * kRows];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t j = blk * kRows;
+    for (int64_t j = begin; j < begin + quarter; ++j) {  // rows j + k quarter, k < kRows
       const float* block = w + j * in;
-      // the block kAhead blocks on, prefetched into L2 over the passes, so that reads stay
-      // in flight while the block in L1 meets every row of x
-      const float* next = blk + kAhead < end ? block + kAhead * kRows * in : nullptr;
-      auto next_of = [&](int64_t pass) { return next ? next + pass * kRows / passes * in : nullptr; };
-      auto count_of = [&](int64_t pass) {
-        return (pass + 1) * kRows / passes - pass * kRows / passes;
-      };
-      for (int64_t r = 0, pass = 0; r < rows; ++pass) {
+      for (int64_t r = 0; r < rows;) {
         const int64_t taken = pass_rows(rows - r);
+        // the first pass prefetches (a prefetch past the weights' end is dropped, not read)
         auto pass_with = [&](auto R) {
-          dot_rows<decltype(R)::value>(x + r * in, block, in, sums, next_of(pass), count_of(pass));
+          dot_rows<decltype(R)::value>(x + r * in, block, in, quarter * in, sums, ahead);
         };
         if (taken == kXRows) {
           pass_with(std::integral_constant<int, kXRows>{});
@@ -260,17 +244,18 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
         }
         for (int64_t q = 0; q < taken; ++q) {
           for (int64_t k = 0; k < kRows; ++k) {
-            y[(r + q) * out + j + k] = sums[q * kRows + k] + (bias ? bias[j + k] : 0.0f);
+            const int64_t row = j + k * quarter;
+            y[(r + q) * out + row] = sums[q * kRows + k] + (bias ? bias[row] : 0.0f);
           }
         }
         r += taken;
       }
     }
+    for (int64_t j = begin + kRows * quarter; j < end; ++j) {  // the last, fewer than kRows
+      const float b = bias ? bias[j] : 0.0f;
+      for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, w + j * in, in) + b;
+    }
   });
-  for (int64_t j = blocks * kRows; j < out; ++j) {  // the last rows, fewer than a block
-    const float b = bias ? bias[j] : 0.0f;
-    for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, w + j * in, in) + b;
-  }
 }
 
 // x <- x * cos + rotate_half(x) * sin, one head of hd features.
