@@ -231,7 +231,7 @@ void project(const float* x, int64_t rows, int64_t in, const float* w, const flo
       const float* block = w + j * in;
       for (int64_t r = 0; r < rows;) {
         const int64_t taken = pass_rows(rows - r);
-        // the first pass prefetches (a prefetch past the weights' end is dropped, not read)
+        // (a prefetch past the weights' end is dropped, never read)
         auto pass_with = [&](auto R) {
           dot_rows<decltype(R)::value>(x + r * in, block, in, quarter * in, sums, ahead);
         };
