@@ -10,7 +10,11 @@ in each pattern, best of 4, beside `torch.sum` over the same buffer:
   four two blocks on prefetched into L2 (the projection before 2026-11-27);
 - quarters: four rows side by side, each from its own quarter of a span of rows (448, as a
   thread's share of a 896-row projection on two threads), each row's line 1 KiB on
-  prefetched into L2 (the projection since).
+  prefetched into L2 (the projection since);
+- key blocks: as the step reads a head's keys, blocks of 64 feature rows of 256 tokens, a
+  strip of tokens of every row in turn, the next block prefetched into L2 over the block's
+  reads (strips of 64 floats, as grouped-query's scores read them; of 256, each row whole),
+  and the same without the prefetch.
 
 Usage: python scripts/read_patterns.py [--rounds N]
 """
@@ -78,6 +82,46 @@ double four_rows(const torch::Tensor& t, int64_t row, int64_t span, bool quarter
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Seconds to sum the buffer read as the decode step reads a key/value head's keys: blocks of
+// `rows` feature rows of `tokens` floats, a strip of `strip` floats of every row in turn, then
+// the next strip; the next block prefetched front to back over the block's reads, as evenly
+// as its strips' rows allow.
+double key_blocks(const torch::Tensor& t, int64_t rows, int64_t tokens, int64_t strip,
+                  bool prefetch) {
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kFloat, "a contiguous float32 buffer");
+  TORCH_CHECK(strip % (4 * Vec::size()) == 0 && tokens % strip == 0, "strips of 4 vectors");
+  const float* p = t.data_ptr<float>();
+  const int64_t block = rows * tokens, blocks = t.numel() / block;
+  const int64_t ticks = rows * (tokens / strip), lines = block / 16;
+  const int64_t per_tick = (lines + ticks - 1) / ticks;
+  const auto start = std::chrono::steady_clock::now();
+  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* k = p + b * block;
+    const float* next = prefetch && b + 1 < blocks ? k + block : nullptr;
+    int64_t done = 0;
+    for (int64_t s = 0; s < tokens; s += strip) {
+      for (int64_t d = 0; d < rows; ++d) {
+        for (int64_t l = 0; next && l < per_tick && done < lines; ++l, ++done) {
+          PREFETCH(next + done * 16);
+        }
+        const float* r = k + d * tokens + s;
+        for (int64_t i = 0; i < strip; i += 4 * Vec::size()) {
+          a0 = a0 + Vec::loadu(r + i);
+          a1 = a1 + Vec::loadu(r + i + Vec::size());
+          a2 = a2 + Vec::loadu(r + i + 2 * Vec::size());
+          a3 = a3 + Vec::loadu(r + i + 3 * Vec::size());
+        }
+      }
+    }
+  }
+  float lanes[Vec::size()];
+  ((a0 + a1) + (a2 + a3)).store(lanes);
+  volatile float sink = lanes[0];
+  (void)sink;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // Seconds to sum the buffer as one stream, four vectors a step.
 double one_stream(const torch::Tensor& t) {
   TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kFloat, "a contiguous float32 buffer");
@@ -107,7 +151,7 @@ def main() -> None:
     module = cpp_extension.load_inline(
         "attnlab_read_patterns",
         SOURCE,
-        functions=["four_rows", "one_stream"],
+        functions=["four_rows", "one_stream", "key_blocks"],
         extra_cflags=_build.cflags(wide=True),
     )
     torch.set_num_threads(1)
@@ -130,6 +174,18 @@ def main() -> None:
         "adjacent rows, no prefetch": lambda: module.four_rows(buffer, ROW, SPAN, False, 0, 0),
         "quarters, 1 KiB on prefetched": lambda: module.four_rows(buffer, ROW, SPAN, True, 256, 0),
         "quarters, no prefetch": lambda: module.four_rows(buffer, ROW, SPAN, True, 0, 0),
+        "key blocks (64 x 256), strips of 64 floats": lambda: module.key_blocks(
+            buffer, 64, 256, 64, True
+        ),
+        "key blocks (64 x 256), strips of 256 floats": lambda: module.key_blocks(
+            buffer, 64, 256, 256, True
+        ),
+        "key blocks, strips of 64 floats, no prefetch": lambda: module.key_blocks(
+            buffer, 64, 256, 64, False
+        ),
+        "key blocks, strips of 256 floats, no prefetch": lambda: module.key_blocks(
+            buffer, 64, 256, 256, False
+        ),
     }
     print(f"one thread, {buffer.nbytes >> 20} MiB, rows of {ROW} floats, best of {args.rounds}")
     for name, read in patterns.items():
