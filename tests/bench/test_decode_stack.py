@@ -86,14 +86,11 @@ def test_a_rows_bandwidth_is_the_median_of_the_probes_between_its_steps(monkeypa
     meet alone)."""
     from attnlab.bench import decode_stack
 
-    probe_times = iter([4.0, 1.0, 2.0])  # seconds per read, one per probe
-    real_best = decode_stack._best
-
-    def best(fn, calls=decode_stack.BEST_OF):
-        return next(probe_times) if calls == decode_stack.PROBE_READS else real_best(fn, calls)
-
-    monkeypatch.setattr(decode_stack, "_best", best)
     nbytes = 2**20
+    probe_times = iter([4.0, 1.0, 2.0])  # seconds per read, one per probe
+    monkeypatch.setattr(
+        decode_stack, "_read_rate", lambda buffer, calls: nbytes / next(probe_times)
+    )
     (row,) = run_stack_decode(
         [StackSpec(KV, 1, "float32", 8)], d_model=D, num_heads=HEADS, layers=LAYERS,
         steps=3 * decode_stack.PROBE_EVERY, bandwidth_bytes=nbytes, matmul_size=32,

@@ -245,7 +245,7 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
     with torch.no_grad():
         for step in range(steps):
             if step % PROBE_EVERY == 0:
-                rates.append(probe.nbytes / _best(probe.sum, PROBE_READS))
+                rates.append(_read_rate(probe, PROBE_READS))
             hidden = torch.randn(spec.batch, 1, _width(modules[0]))  # (b, 1, d)
             start = time.perf_counter()
             for module, cache in zip(modules, caches, strict=True):
@@ -292,7 +292,12 @@ def read_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> float:
     """Bytes per second of a `torch.sum` over a float32 buffer of `nbytes`, best of 5."""
     buffer = torch.ones(nbytes // 4)
     buffer.sum()
-    return buffer.nbytes / _best(buffer.sum)
+    return _read_rate(buffer)
+
+
+def _read_rate(buffer: torch.Tensor, calls: int = BEST_OF) -> float:
+    """Bytes per second of `buffer.sum()`, the fastest of `calls`."""
+    return buffer.nbytes / _best(buffer.sum, calls)
 
 
 def matmul_rate(size: int = MATMUL_SIZE) -> float:
