@@ -7,17 +7,21 @@ decode_step.cpp is built with a clock around each parallel region (inserted at n
 places in its text; a missing place is an error, not a silent miss) under a library name of
 its own, so that it loads beside attnlab's. Per region and step:
 
-- ms: from the region's start to its last thread's end;
+- ms: from the region's start to its last thread's end (to the end of the function that
+  holds it, which ends with it);
 - spread: from its first thread's end to its last's, as a share of ms (the time the
   threads spend waiting for each other at its end);
 - GB/s and GFLOP/s: the bytes it must read (its weights, or the cache) and its arithmetic
   over ms, beside the machine's limits measured in the same run (`read_bandwidth`,
   `matmul_rate` of attnlab.bench.decode_stack, on the same threads);
-- "between": the serial time from one region's end to the next one's start (inside the op:
-  its set-up and the heads' merge; between layers: the op's tail, the Python loop and the
-  next op's checks).
+- serial: the time from one region's end to the next one's start, on the calling thread
+  (inside the op: its set-up between the projection and the attention, and its return and
+  the next call between the attention, whose function ends with the heads' merge, and the
+  output projection; between layers: the op's tail, the Python loop and the next op's
+  checks and allocations).
 
 Usage: python scripts/decode_regions.py [--steps N] [--threads N] [--rows kv:batch:context,...]
+    [--source decode_step.cpp]
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ struct Timer {
     last = std::max(last, t);
     lock.clear();
   }
+  ~Timer() { close(); }  // the region's function ends with its parallel_for
   void close() {
     totals[kind][0] += 1;
     totals[kind][1] += last - start;
@@ -113,12 +118,6 @@ PLACES = (
         "    region_clock::Done done{timer};\n",
     ),
     (
-        "      for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, w + j * in, in)"
-        " + b;\n    }\n  });\n",
-        "      for (int64_t r = 0; r < rows; ++r) y[r * out + j] = dot(x + r * in, w + j * in, in)"
-        " + b;\n    }\n  });\n  timer.close();\n",
-    ),
-    (
         "  at::parallel_for(0, batch * a.kv_heads * a.chunks, grain_for(item_floats), "
         "[&](int64_t begin,\n",
         "  region_clock::Timer timer(1);\n"
@@ -129,7 +128,6 @@ PLACES = (
         "    std::vector<float> scores(groups * a.chunk);\n",
         "    region_clock::Done done{timer};\n    std::vector<float> scores(groups * a.chunk);\n",
     ),
-    ("  a.merge(batch, attn);\n", "  timer.close();\n  a.merge(batch, attn);\n"),
 )
 
 
@@ -147,11 +145,12 @@ def clocked_text(text: str, name: str) -> str:
     )
 
 
-def clocked_op():
-    """The clocked decode_step (its direct face, as decode_gqa.py's baseline) and `take`."""
+def clocked_op(source_path: Path = SOURCE):
+    """The clocked decode_step of `source_path` (its direct face, as decode_gqa.py's
+    baseline) and `take`."""
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_text()
+    source = source_path.read_text()
     digest = hashlib.sha256((source + CLOCK).encode()).hexdigest()[:12]
     name = f"attnlab_decode_regions_{digest}"
     text = clocked_text(source, name)
@@ -188,6 +187,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps timed per row")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--source", type=Path, default=SOURCE, help="another decode_step.cpp (e.g. HEAD's)"
+    )
+    parser.add_argument(
         "--rows",
         type=lambda text: [_row(part) for part in text.split(",")],
         default=[(1, 8, 256), (1, 8, 1024), (1, 8, 4096), (4, 8, 4096)],
@@ -197,7 +199,7 @@ def main() -> None:
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
     torch.set_num_threads(args.threads)
-    op, take = clocked_op()
+    op, take = clocked_op(args.source)
     bandwidth, rate = read_bandwidth(), matmul_rate()
     console = Console(width=150)
     table = Table(
