@@ -23,7 +23,7 @@ the keys: add `--baseline-values-like-keys`.
 Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
     [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]
     [--compare BEFORE.json] [--baseline BEFORE.cpp [--baseline-values-like-keys]]
-    [--threads N]
+    [--threads N] [--block-tokens N]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from attnlab import MultiHeadAttention, _build, decode_cpu, plan
+from attnlab.kv_cache import KVCache
 
 LAYERS, D_MODEL, HEADS = 12, 768, 12
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -72,13 +73,20 @@ def baseline_op(source: str):
 
 
 def stack_step(
-    num_kv_heads: int, batch: int, context: int, cache_dtype: torch.dtype, ops, old_values=()
+    num_kv_heads: int,
+    batch: int,
+    context: int,
+    cache_dtype: torch.dtype,
+    ops,
+    old_values=(),
+    block_tokens: int | None = None,
 ):
     """Calls (one per op of `ops`) decoding one token at position context - 1 through 12
     layers whose caches hold context - 1 random tokens (each layer its own weights and
     cache). An op whose index is in `old_values` reads a copy of the values laid out as the
     keys, in blocks (hd, tokens): the layout of kernels before the values became rows
-    (2026-11-27)."""
+    (2026-11-27). With `block_tokens`, the first op's caches hold the keys in blocks of that
+    many tokens instead of kv_cache.BLOCK_TOKENS (the others' keep it)."""
     torch.manual_seed(0)
     modules = [
         MultiHeadAttention(D_MODEL, D_MODEL, context, 0.0, HEADS, num_kv_heads=num_kv_heads).eval()
@@ -86,13 +94,32 @@ def stack_step(
     ]
     shape = (batch, num_kv_heads, context - 1, D_MODEL // HEADS)  # (b, hkv, t, hd)
     keys, values = torch.randn(shape), torch.randn(shape)
-    caches = [module.make_cache(batch, context, dtype=cache_dtype) for module in modules]
-    with torch.no_grad():
-        for cache in caches:
-            cache.update(keys, values)
-    x = torch.randn(batch, 1, D_MODEL)  # (b, 1, d)
 
-    def calls_of(values_like_keys: bool):
+    def caches_of(block: int | None) -> list[KVCache]:
+        caches = [
+            module.make_cache(batch, context, dtype=cache_dtype)
+            if block is None
+            else KVCache(
+                batch,
+                context,
+                num_kv_heads,
+                D_MODEL // HEADS,
+                dtype=cache_dtype,
+                block_tokens=block,
+                tokens_last=True,
+            )
+            for module in modules
+        ]
+        with torch.no_grad():
+            for cache in caches:
+                cache.update(keys, values)
+        return caches
+
+    x = torch.randn(batch, 1, D_MODEL)  # (b, 1, d)
+    shared = caches_of(None)
+
+    def calls_of(values_like_keys: bool, block: int | None):
+        caches = shared if block is None else caches_of(block)
         calls = []
         for module, cache in zip(modules, caches, strict=True):
             weights = plan.native_module(module)
@@ -116,7 +143,10 @@ def stack_step(
 
         return step
 
-    return [step_of(op, calls_of(i in old_values)) for i, op in enumerate(ops)]
+    return [
+        step_of(op, calls_of(i in old_values, block_tokens if i == 0 else None))
+        for i, op in enumerate(ops)
+    ]
 
 
 def _values_like_keys(cache) -> torch.Tensor:
@@ -154,6 +184,12 @@ def main() -> None:
         "--threads", type=int, default=1, help="threads; above 1, the step's wall time"
     )
     parser.add_argument(
+        "--block-tokens",
+        type=int,
+        help="this version's caches hold the keys in blocks of this many tokens (the "
+        "baseline's keep kv_cache.BLOCK_TOKENS)",
+    )
+    parser.add_argument(
         "--baseline-values-like-keys",
         action="store_true",
         help="the baseline reads the values laid out as the keys (kernels before 2026-11-27)",
@@ -175,7 +211,15 @@ def main() -> None:
             for context in args.contexts:
                 key = f"{args.cache_dtype} kv={num_kv_heads} b={batch} t={context}"
                 old = (1,) if args.baseline_values_like_keys else ()
-                steps = stack_step(num_kv_heads, batch, context, DTYPES[args.cache_dtype], ops, old)
+                steps = stack_step(
+                    num_kv_heads,
+                    batch,
+                    context,
+                    DTYPES[args.cache_dtype],
+                    ops,
+                    old,
+                    args.block_tokens,
+                )
                 times = [s * 1e3 for s in least_seconds(steps, args.rounds, clock)]
                 ms = figures[key] = times[0]
                 line = f"{key:<32} {ms:9.2f}"
