@@ -1,0 +1,45 @@
+"""scripts/decode_regions.py inserts its clock at named places in csrc/decode_step.cpp's
+text: each place must be there exactly once, or the script would stop (or, worse, time
+something else). Checked here so that a change to the kernel that moves a place fails the
+suite, not a later measurement. Nothing is built."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def regions():
+    sys.path.insert(0, str(SCRIPTS))  # decode_regions imports decode_gqa beside it
+    try:
+        yield importlib.import_module("decode_regions")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_every_place_of_the_clock_is_in_the_kernel_once(regions):
+    text = regions.SOURCE.read_text()
+    counts = {anchor: text.count(anchor) for anchor, _ in regions.PLACES}
+    assert counts == {anchor: 1 for anchor in counts}
+
+
+def test_the_clocked_text_has_each_insertion_and_its_own_library_name(regions):
+    text = regions.clocked_text(regions.SOURCE.read_text(), "attnlab_decode_regions_test")
+    for _, replacement in regions.PLACES:
+        assert replacement in text
+    assert "TORCH_LIBRARY(attnlab_decode," not in text
+    assert "TORCH_LIBRARY(attnlab_decode_regions_test," in text
+    assert "TORCH_LIBRARY_FRAGMENT(attnlab_decode_regions_test, m)" in text
+
+
+def test_a_place_that_is_gone_stops_the_script(regions):
+    anchor = regions.PLACES[1][0]  # the projection's parallel region
+    text = regions.SOURCE.read_text().replace(anchor, "")
+    with pytest.raises(SystemExit, match="no longer has this place once"):
+        regions.clocked_text(text, "attnlab_decode_regions_test")
