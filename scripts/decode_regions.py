@@ -66,22 +66,21 @@ int projections = 0;  // projections so far: even ones are q/k/v, odd ones the o
 struct Timer {
   int kind;
   double start, first = 0, last = 0;
-  std::atomic<int> finished{0};
+  int finished = 0;
+  std::atomic_flag lock = ATOMIC_FLAG_INIT;  // over first, last and finished
   explicit Timer(int k) : kind(k), start(now()) {
     const int before = last_kind;
     if (before >= 0 && start - last_end < 1e-3) gaps[before] += start - last_end;
   }
   void done() {  // a thread's share ended
     const double t = now();
-    static std::atomic_flag lock = ATOMIC_FLAG_INIT;
-    while (lock.test_and_set()) {
+    while (lock.test_and_set(std::memory_order_acquire)) {
     }
     if (finished++ == 0) first = t;
     last = std::max(last, t);
-    lock.clear();
+    lock.clear(std::memory_order_release);
   }
-  ~Timer() { close(); }  // the region's function ends with its parallel_for
-  void close() {
+  ~Timer() {  // the region's function ends with its parallel_for: the region is closed
     totals[kind][0] += 1;
     totals[kind][1] += last - start;
     totals[kind][2] += last - first;

@@ -192,13 +192,12 @@ double seconds(const torch::Tensor& t, int64_t pattern, int64_t unit, int64_t th
 
 def patterns() -> dict[str, tuple[int, int, tuple[int, ...]]]:
     """Each pattern's (id, unit of a thread's share in floats, arguments) for `seconds`."""
-    span = ROW * SPAN
-    rows = {1: (ROW, SPAN, 0, 0, 2), 2: (ROW, SPAN, 0, 0, 0), 3: (ROW, SPAN, 1, 256, 0)}
-    named = {
+    span = ROW * SPAN  # a thread's share is whole spans of rows
+    named = {  # four rows: (row, span, quarters, ahead, block_ahead)
         "one stream": (0, 64, ()),
-        "adjacent rows, two blocks on prefetched": (1, span, rows[1]),
-        "adjacent rows, no prefetch": (1, span, rows[2]),
-        "quarters, 1 KiB on prefetched": (1, span, rows[3]),
+        "adjacent rows, two blocks on prefetched": (1, span, (ROW, SPAN, 0, 0, 2)),
+        "adjacent rows, no prefetch": (1, span, (ROW, SPAN, 0, 0, 0)),
+        "quarters, 1 KiB on prefetched": (1, span, (ROW, SPAN, 1, 256, 0)),
         "quarters, no prefetch": (1, span, (ROW, SPAN, 1, 0, 0)),
     }
     for tokens, strips in ((256, (64, 256)), (64, (64,))):
