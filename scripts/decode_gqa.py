@@ -116,10 +116,10 @@ def stack_step(
         return caches
 
     x = torch.randn(batch, 1, D_MODEL)  # (b, 1, d)
-    shared = caches_of(None)
+    built: dict[int | None, list[KVCache]] = {}  # per layout, built once, when first asked
 
     def calls_of(values_like_keys: bool, block: int | None):
-        caches = shared if block is None else caches_of(block)
+        caches = built.get(block) or built.setdefault(block, caches_of(block))
         calls = []
         for module, cache in zip(modules, caches, strict=True):
             weights = plan.native_module(module)
