@@ -21,7 +21,7 @@ its own, so that it loads beside attnlab's. Per region and step:
   checks and allocations).
 
 Usage: python scripts/decode_regions.py [--steps N] [--threads N] [--rows kv:batch:context,...]
-    [--source decode_step.cpp]
+    [--cache-dtype float32|bfloat16|int8] [--source decode_step.cpp]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode_gqa import D_MODEL, HEADS, LAYERS, stack_step
+from decode_gqa import D_MODEL, DTYPES, HEADS, LAYERS, stack_step
 from rich.console import Console
 from rich.table import Table
 
@@ -171,12 +171,16 @@ def _row(text: str) -> tuple[int, int, int]:
     return kv, batch, context
 
 
-def region_loads(kv: int, batch: int, context: int) -> list[tuple[float, float]]:
+def region_loads(
+    kv: int, batch: int, context: int, cache_dtype: torch.dtype = torch.float32
+) -> list[tuple[float, float]]:
     """(bytes read, flops) per step of each region, over the stack's layers."""
     hd = D_MODEL // HEADS
     d_qkv = D_MODEL + 2 * kv * hd
     qkv = (4.0 * d_qkv * D_MODEL, 2.0 * batch * d_qkv * D_MODEL)
-    cache = (4.0 * 2 * batch * kv * context * hd, 4.0 * batch * HEADS * hd * context)
+    # a token's key or value: hd elements, and an int8 cache's float32 scale
+    per_vector = hd * cache_dtype.itemsize + (4 if cache_dtype == torch.int8 else 0)
+    cache = (2.0 * batch * kv * context * per_vector, 4.0 * batch * HEADS * hd * context)
     out = (4.0 * D_MODEL * D_MODEL, 2.0 * batch * D_MODEL * D_MODEL)
     return [(LAYERS * b, LAYERS * f) for b, f in (qkv, cache, out)]
 
@@ -194,7 +198,9 @@ def main() -> None:
         default=[(1, 8, 256), (1, 8, 1024), (1, 8, 4096), (4, 8, 4096)],
         help="key/value heads:batch:context, comma-separated",
     )
+    parser.add_argument("--cache-dtype", choices=DTYPES, default="float32")
     args = parser.parse_args()
+    cache_dtype = DTYPES[args.cache_dtype]
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
     torch.set_num_threads(args.threads)
@@ -202,7 +208,8 @@ def main() -> None:
     bandwidth, rate = read_bandwidth(), matmul_rate()
     console = Console(width=150)
     table = Table(
-        title=f"{LAYERS}-layer step, {args.threads} threads, {args.steps} steps per row; "
+        title=f"{LAYERS}-layer step, {args.cache_dtype} cache, {args.threads} threads, "
+        f"{args.steps} steps per row; "
         f"limits {bandwidth / 1e9:.1f} GB/s (torch.sum), {rate / 1e9:.0f} GFLOP/s (torch.mm)"
     )
     for column in ("kv", "batch", "context", "step ms", "part", "ms", "share", "spread"):
@@ -210,7 +217,7 @@ def main() -> None:
     table.add_column("GB/s", justify="right")
     table.add_column("GFLOP/s", justify="right")
     for kv, batch, context in args.rows:
-        (step,) = stack_step(kv, batch, context, torch.float32, [op])
+        (step,) = stack_step(kv, batch, context, cache_dtype, [op])
         step()
         take()
         start = time.perf_counter()
@@ -218,7 +225,7 @@ def main() -> None:
             step()
         step_s = (time.perf_counter() - start) / args.steps
         figures = take().tolist()
-        loads = region_loads(kv, batch, context)
+        loads = region_loads(kv, batch, context, cache_dtype)
         first = True
         for k, name in enumerate(REGIONS):
             _, wall, spread = figures[3 * k : 3 * k + 3]

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from attnlab import MultiHeadAttention
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -43,3 +46,16 @@ def test_a_place_that_is_gone_stops_the_script(regions):
     text = regions.SOURCE.read_text().replace(anchor, "")
     with pytest.raises(SystemExit, match="no longer has this place once"):
         regions.clocked_text(text, "attnlab_decode_regions_test")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_the_attentions_bytes_are_what_the_layers_caches_hold(regions, cache_dtype):
+    """The attention region's bytes per step, against the bytes of the caches the stack's
+    layers hold (KVCache.nbytes, keys, values and an int8 cache's scales)."""
+    kv, batch, context = 4, 3, 40
+    module = MultiHeadAttention(
+        regions.D_MODEL, regions.D_MODEL, 8, 0.0, regions.HEADS, num_kv_heads=kv
+    )
+    held = module.make_cache(batch, context, dtype=cache_dtype).nbytes
+    _, (cache_bytes, _), _ = regions.region_loads(kv, batch, context, cache_dtype)
+    assert cache_bytes == regions.LAYERS * held
