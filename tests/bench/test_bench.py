@@ -43,8 +43,15 @@ def test_decode_quick_end_to_end(tmp_path, capsys):
     for row in report["rows"]:
         assert row["cached_s"] > 0 and row["recompute_s"] > 0
         cache_read = 2 * row["context"] * 768 * 4  # keys and values of every token held
-        assert row["floor_s"] == pytest.approx((weights + cache_read) / row["read_bytes_per_s"])
-        assert row["over_floor"] == pytest.approx(row["cached_s"] / row["floor_s"])
+        _check_floor(row, weights + cache_read, _flops(weights, 1, row["context"]))
+        assert row["cached_s"] / row["over_floor"] == pytest.approx(row["floor_s"])
+    for row in report["cache_rows"]:
+        # fused q, k, v rows (768 + 2 x kv x 64) without bias; out_proj with its bias
+        layer = 4 * ((768 + 2 * row["num_kv_heads"] * 64) * 768 + 768 * 768 + 768)
+        held = row["batch"] * row["context"] * row["bytes_per_token"]
+        _check_floor(row, layer + held, _flops(layer, row["batch"], row["context"]))
+        binds = "memory" if row["memory_floor_s"] >= row["compute_floor_s"] else "compute"
+        assert row["binds"] == binds
     bandwidths = [row["read_bytes_per_s"] for row in report["rows"] + report["cache_rows"]]
     assert min(bandwidths) <= report["read_bytes_per_s"] <= max(bandwidths)
     per_token = {
@@ -54,6 +61,21 @@ def test_decode_quick_end_to_end(tmp_path, capsys):
     }
     assert per_token == {12: 2 * 12 * 64 * 4, 4: 2 * 4 * 64 * 4, 1: 2 * 1 * 64 * 4}
     _check_static_peers(report["static_peers"])
+
+
+def _flops(weight_bytes: int, batch: int, context: int) -> float:
+    """A 768-wide, 12-head layer's step: 2 flops per float32 parameter and sequence, and 4 x
+    heads x head_dim (768) per key held."""
+    return batch * (2 * weight_bytes / 4 + 4 * 768 * context)
+
+
+def _check_floor(row: dict, nbytes: float, flops: float) -> None:
+    """A decode row's floor: max(bytes / bandwidth, flops / matmul rate), as measured."""
+    memory, compute = nbytes / row["read_bytes_per_s"], flops / row["flops_per_s"]
+    assert row["memory_floor_s"] == pytest.approx(memory)
+    assert row["compute_floor_s"] == pytest.approx(compute)
+    assert row["floor_s"] == pytest.approx(max(memory, compute))
+    assert row["over_floor"] == pytest.approx(row["cached_s"] / max(memory, compute))
 
 
 def _check_static_peers(peers):

@@ -8,8 +8,8 @@ memory: forward peak memory from 1k to 32k tokens, against the bytes of q, k, v 
 kernel: attnlab's causal CPU kernel against SDPA by length and head layout, forward and
 forward + backward.
 decode: tokens per second with a KV cache against recomputing, cache bytes per head layout,
-each step against its memory-bandwidth floor, and a decode step against a gpt-fast-style
-static-cache SDPA layer (decode_peers), eager and compiled.
+each step against its floor (memory bandwidth, matmul rate), and a decode step against a
+gpt-fast-style static-cache SDPA layer (decode_peers), eager and compiled.
 hf: transformers models with attn_implementation="attnlab" against "sdpa" (hf).
 """
 

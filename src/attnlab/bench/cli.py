@@ -42,7 +42,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--decode",
         action="store_true",
         help="token-by-token decoding: KV cache against recomputing, bytes per head layout, "
-        "time against the memory-bandwidth floor",
+        "time against the floor (memory bandwidth, matmul rate)",
     )
     mode.add_argument(
         "--memory",

@@ -1,17 +1,27 @@
 """Decoding figures: tokens per second with a KV cache against recomputing the prefix, cache
 bytes per token for multi-head, grouped-query and multi-query heads, and each per-token time
-against its memory-bandwidth floor.
+against its floor.
 
-Decoding one token reads every projection weight and the whole cache once and does little
-arithmetic with them, so it is bound by memory traffic: (weight bytes + cache bytes read) /
-read bandwidth is the physical limit a step cannot beat. The bandwidth is measured in the
-same interleaved rounds as the step it bounds, so that a busy neighbour on a shared machine
-slows both alike. On the CPU it is a sum over a buffer of twice the last-level cache (at
-least 256 MiB), and each timed step starts after that read has evicted the CPU's caches, so
-that its bytes come from memory too (a 12-layer stack of grouped or multi-query heads, 60
-to 80 MB, otherwise runs partly from a large last-level cache and beats the memory floor).
-On a CUDA device it is a copy between two 512 MiB buffers (the HBM's copy bandwidth,
-timing.device_copy), and steps run back to back, timed with the device synchronised.
+Decoding one token reads every projection weight and the whole cache once, and multiplies
+each weight by every sequence of the batch and each cached key and value by every query
+head that shares it. Its floor is max(bytes / bandwidth, flops / matmul rate), the two
+limits a step cannot beat:
+
+- bytes: the layer's weights and the keys and values it holds (and an int8 cache's scales);
+- flops: per sequence, 2 x parameters + 4 x heads x head_dim x tokens held (the
+  projections, then each head's scores and values);
+- bandwidth: on the CPU a sum over a buffer of twice the last-level cache (at least 256 MiB),
+  and each timed step starts after that read has evicted the CPU's caches, so that its bytes
+  come from memory too (a 12-layer stack of grouped or multi-query heads, 60 to 80 MB,
+  otherwise runs partly from a large last-level cache and beats the memory floor). On a
+  CUDA device it is a copy between two 512 MiB buffers (the HBM's copy bandwidth,
+  timing.device_copy), and steps run back to back, timed with the device synchronised;
+- matmul rate: a 1024^3 product in the modules' dtype on their device (timing.matmul_probe).
+
+Both are measured in the same interleaved rounds as the step they bound, so that a busy
+neighbour on a shared machine slows all three alike. Memory binds most rows; the arithmetic
+binds where many query heads share each key (multi-query at batch 8, whose 12 heads
+multiply each key and value read: 6 flops per float32 byte).
 
 The steps table has a row per head layout (multi-head, grouped-query, multi-query), batch
 (1 and 8: the weights are read once for the whole batch, the cache once per sequence),
@@ -25,22 +35,43 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch import nn
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench.timing import bandwidth_probe, interleaved_medians
+from attnlab.bench.timing import bandwidth_probe, interleaved_medians, matmul_probe
+from attnlab.mla import MultiHeadLatentAttention
 
 GPT2_SMALL = {"d_model": 768, "num_heads": 12, "layers": 12}
 
 
+class Floor:
+    """A step's floor from its two terms, memory_floor_s and compute_floor_s (fields or
+    properties of the row): the larger one, and which it is."""
+
+    memory_floor_s: float
+    compute_floor_s: float
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.memory_floor_s, self.compute_floor_s)
+
+    @property
+    def binds(self) -> str:
+        """Which term of the floor is larger: "memory" or "compute"."""
+        return "memory" if self.memory_floor_s >= self.compute_floor_s else "compute"
+
+
 @dataclass
-class DecodeRow:
+class DecodeRow(Floor):
     """One context length: the time to produce the next token, cached and recomputed."""
 
     context: int
     cached_s: float
     recompute_s: float
     read_bytes_per_s: float
-    floor_s: float
+    memory_floor_s: float
+    compute_floor_s: float
+    flops_per_s: float
 
     @property
     def speedup(self) -> float:
@@ -52,7 +83,7 @@ class DecodeRow:
 
 
 @dataclass
-class CacheRow:
+class CacheRow(Floor):
     """One decode step: head layout, batch, cache dtype and context, its time per layer and
     its floor."""
 
@@ -61,7 +92,9 @@ class CacheRow:
     bytes_per_token: int
     cached_s: float
     read_bytes_per_s: float
-    floor_s: float
+    memory_floor_s: float
+    compute_floor_s: float
+    flops_per_s: float
     batch: int = 1
     cache_dtype: str = "float32"
     context: int = 0
@@ -93,9 +126,9 @@ class DecodeReport:
         """Plain numbers for --json, derived ratios included."""
         out = asdict(self)
         for row, raw in zip(self.rows, out["rows"], strict=True):
-            raw.update(speedup=row.speedup, over_floor=row.over_floor)
+            raw.update(speedup=row.speedup, floor_s=row.floor_s, over_floor=row.over_floor)
         for row, raw in zip(self.cache_rows, out["cache_rows"], strict=True):
-            raw.update(over_floor=row.over_floor)
+            raw.update(floor_s=row.floor_s, binds=row.binds, over_floor=row.over_floor)
         out["read_bytes_per_s"] = self.read_bytes_per_s
         return out
 
@@ -136,6 +169,7 @@ def run_decode(
         read_bytes: the buffer read to measure the bandwidth and, on the CPU, before each
             timed step to evict the CPU's caches (default timing.bandwidth_probe's: twice
             the last-level cache, at least 256 MiB, on the CPU; 512 MiB copied on a device).
+            The matmul rate is timed beside it (timing.matmul_probe, in `dtype`).
         device: where the layers, caches and inputs live ("cpu" or "cuda").
         progress: called with a description before each row.
 
@@ -146,7 +180,7 @@ def run_decode(
     torch.manual_seed(0)
     device = torch.device(device)
     kv_heads = list(kv_heads) or _default_kv_heads(num_heads)
-    reader = bandwidth_probe(device, read_bytes)
+    probes = bandwidth_probe(device, read_bytes), matmul_probe(device, dtype)
     stack = _stack(d_model, num_heads, num_heads, max(contexts), dtype, layers, device)
     report = DecodeReport(
         d_model,
@@ -159,7 +193,7 @@ def run_decode(
     )
     for context in contexts:
         progress(f"context {context}")
-        report.rows.append(_decode_row(stack, context, reader, min_run_time, rounds))
+        report.rows.append(_decode_row(stack, context, probes, min_run_time, rounds))
     # per layout: the narrower caches, then the module's dtype by batch, batch 1 last (the
     # row the reference table compares with)
     narrow = [(1, d) for d in cache_dtypes if d != dtype]
@@ -171,7 +205,7 @@ def run_decode(
             progress(f"{heads} key/value heads, batch {batch}, {cache_dtype}")
             caches = _filled_caches(grouped, batch, max(contexts), cache_dtype)
             rows = [  # longest first: crop() only goes back
-                _cache_row(grouped, caches, context, reader, min_run_time, rounds)
+                _cache_row(grouped, caches, context, probes, min_run_time, rounds)
                 for context in sorted(contexts, reverse=True)
             ]
             report.cache_rows.extend(sorted(rows, key=lambda row: row.context))
@@ -220,6 +254,31 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def _weight_bytes(module: MultiHeadAttention) -> int:
     return sum(p.nbytes for p in module.parameters())
+
+
+def flops_per_sequence(module: nn.Module, tokens: int) -> float:
+    """A layer's arithmetic for one sequence's token: 2 x parameters, and the attention over
+    `tokens` keys: per head and key, scores and values over head_dim each; latent attention's
+    absorbed step, over the latent (r) and rotary (dr) scores and the latent values (its
+    up-projections are in the parameters)."""
+    parameters = sum(p.numel() for p in module.parameters())
+    if isinstance(module, MultiHeadLatentAttention):
+        per_key = 2 * module.kv_lora_rank + module.qk_rope_head_dim
+        return 2 * parameters + 2 * module.num_heads * per_key * tokens
+    return 2 * parameters + 4 * module.num_heads * module.head_dim * tokens
+
+
+def _measured(candidates: dict, probes, min_run_time: float, rounds: int, device):
+    """interleaved_medians of the candidates beside both probes: (medians, bytes per
+    second read, flops per second)."""
+    (read, read_bytes), (matmul, matmul_flops) = probes
+    times = interleaved_medians(
+        {**candidates, "read": read, "matmul": matmul},
+        rounds=rounds,
+        min_run_time=min_run_time,
+        **timing_options(device, read),
+    )
+    return times, read_bytes / times["read"], matmul_flops / times["matmul"]
 
 
 def _cache_bytes_read(module: MultiHeadAttention, tokens: int, dtype: torch.dtype) -> int:
@@ -276,24 +335,24 @@ def _decode_steps(modules: Sequence[MultiHeadAttention], context: int):
     return first_layer, every_layer, recompute
 
 
-def _decode_row(modules, context, reader, min_run_time, rounds) -> DecodeRow:
+def _decode_row(modules, context, probes, min_run_time, rounds) -> DecodeRow:
     first_layer, every_layer, recompute = _decode_steps(modules, context)
     cached, recomputed = first_layer(), recompute()
     close = tolerance(cached.dtype)
     if not torch.allclose(cached, recomputed, atol=close, rtol=close):  # the same token
         error = (cached - recomputed).abs().max().item()
         raise RuntimeError(f"cached decoding differs from recomputing by {error} at {context}")
-    read, read_bytes = reader
-    times = interleaved_medians(
-        {"cached": every_layer, "recompute": recompute, "read": read},
-        rounds=rounds,
-        min_run_time=min_run_time,
-        **timing_options(cached.device, read),
+    candidates = {"cached": every_layer, "recompute": recompute}
+    times, bandwidth, rate = _measured(candidates, probes, min_run_time, rounds, cached.device)
+    return DecodeRow(
+        context,
+        cached_s=times["cached"] / len(modules),
+        recompute_s=times["recompute"],
+        read_bytes_per_s=bandwidth,
+        memory_floor_s=_floor(modules[0], context, bandwidth),
+        compute_floor_s=flops_per_sequence(modules[0], context) / rate,
+        flops_per_s=rate,
     )
-    bandwidth = read_bytes / times["read"]
-    per_layer = times["cached"] / len(modules)
-    floor = _floor(modules[0], context, bandwidth)
-    return DecodeRow(context, per_layer, times["recompute"], bandwidth, floor)
 
 
 def _filled_caches(modules, batch: int, max_tokens: int, cache_dtype: torch.dtype):
@@ -310,34 +369,29 @@ def _filled_caches(modules, batch: int, max_tokens: int, cache_dtype: torch.dtyp
     return caches
 
 
-def _cache_row(modules, caches, context, reader, min_run_time, rounds) -> CacheRow:
+def _cache_row(modules, caches, context, probes, min_run_time, rounds) -> CacheRow:
     """The step of one token at position context - 1 through every layer (the caches are
     cropped to context - 1 tokens before each layer's call)."""
     first, batch = modules[0], caches[0].batch_size
     x = torch.randn(batch, 1, first.d_in, **factory(first))  # (b, 1, d)
     every_layer = stack_step(modules, caches, x, context)
-    read, read_bytes = reader
-    times = interleaved_medians(
-        {"cached": every_layer, "read": read},
-        rounds=rounds,
-        min_run_time=min_run_time,
-        **timing_options(x.device, read),
+    times, bandwidth, rate = _measured(
+        {"cached": every_layer}, probes, min_run_time, rounds, x.device
     )
-    bandwidth = read_bytes / times["read"]
     cache_dtype = caches[0].dtype
     per_token = first.make_cache(1, 1, dtype=cache_dtype).nbytes
-    dtype_name = str(cache_dtype).removeprefix("torch.")
-    floor = (_weight_bytes(first) + batch * context * per_token) / bandwidth
     return CacheRow(
         layout(first),
         first.num_kv_heads,
         per_token,
-        times["cached"] / len(modules),
-        bandwidth,
-        floor,
-        batch,
-        dtype_name,
-        context,
+        cached_s=times["cached"] / len(modules),
+        read_bytes_per_s=bandwidth,
+        memory_floor_s=(_weight_bytes(first) + batch * context * per_token) / bandwidth,
+        compute_floor_s=batch * flops_per_sequence(first, context) / rate,
+        flops_per_s=rate,
+        batch=batch,
+        cache_dtype=str(cache_dtype).removeprefix("torch."),
+        context=context,
     )
 
 

@@ -44,12 +44,12 @@ from torch import nn
 
 from attnlab import decode_cpu, plan
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench import decode
+from attnlab.bench import decode, timing
 from attnlab.mla import MultiHeadLatentAttention
 
 MODEL = {"d_model": 768, "num_heads": 12, "layers": 12}
 BANDWIDTH_BYTES = 256 * 2**20
-MATMUL_SIZE = 1024
+MATMUL_SIZE = timing.MATMUL_SIZE
 BEST_OF = 5
 PROBE_EVERY = 5  # steps between two probes of the bandwidth
 PROBE_READS = 2  # reads of the bandwidth buffer per probe, the faster one kept
@@ -92,7 +92,7 @@ def default_specs(num_heads: int = 12, contexts: Sequence[int] = (256, 1024, 409
 
 
 @dataclass
-class StackRow:
+class StackRow(decode.Floor):
     """One measured row: the median step through the whole stack and its floor's terms."""
 
     layout: str
@@ -115,15 +115,6 @@ class StackRow:
     @property
     def compute_floor_s(self) -> float:
         return self.flops / self.flops_per_s
-
-    @property
-    def floor_s(self) -> float:
-        return max(self.memory_floor_s, self.compute_floor_s)
-
-    @property
-    def binds(self) -> str:
-        """Which term of the floor is larger: "memory" or "compute"."""
-        return "memory" if self.memory_floor_s >= self.compute_floor_s else "compute"
 
     @property
     def over_floor(self) -> float:
@@ -266,7 +257,7 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
         steps_s=times,
         weight_bytes=sum(p.nbytes for m in modules for p in m.parameters()),
         cache_bytes=cache_bytes,
-        flops=len(modules) * spec.batch * _flops_per_sequence(first, held),
+        flops=len(modules) * spec.batch * decode.flops_per_sequence(first, held),
         read_bytes_per_s=statistics.median(rates),
         flops_per_s=matmul_rate(matmul_size),
     )
@@ -275,17 +266,6 @@ def _row(modules, spec: StackSpec, steps: int, bandwidth_bytes: int, matmul_size
 def _held_bytes(cache, tokens: int) -> int:
     """Bytes of `tokens` positions of a cache: keys, values and int8 scales."""
     return tokens * cache.nbytes // cache.capacity
-
-
-def _flops_per_sequence(module: nn.Module, tokens: int) -> float:
-    """2 x parameters, and the attention over `tokens` keys: per head and key, scores and
-    values over head_dim each; latent attention's absorbed step, over the latent (r) and
-    rotary (dr) scores and the latent values (its up-projections are in the parameters)."""
-    parameters = sum(p.numel() for p in module.parameters())
-    if isinstance(module, MultiHeadLatentAttention):
-        per_key = 2 * module.kv_lora_rank + module.qk_rope_head_dim
-        return 2 * parameters + 2 * module.num_heads * per_key * tokens
-    return 2 * parameters + 4 * module.num_heads * module.head_dim * tokens
 
 
 def read_bandwidth(nbytes: int = BANDWIDTH_BYTES) -> float:
@@ -301,10 +281,10 @@ def _read_rate(buffer: torch.Tensor, calls: int = BEST_OF) -> float:
 
 
 def matmul_rate(size: int = MATMUL_SIZE) -> float:
-    """FLOP per second of a float32 size^3 matmul, best of 5."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    return 2 * size**3 / _best(lambda: torch.mm(a, b))
+    """FLOP per second of a float32 size^3 matmul on the CPU, best of 5."""
+    product, flops = timing.matmul_probe(size=size)
+    product()
+    return flops / _best(product)
 
 
 def _best(fn: Callable[[], object], calls: int = BEST_OF) -> float:

@@ -18,7 +18,7 @@ from attnlab.bench.compare import (
     CompareReport,
     CompareRow,
 )
-from attnlab.bench.decode import DecodeReport
+from attnlab.bench.decode import CacheRow, DecodeReport, DecodeRow
 from attnlab.bench.memory import MemoryReport, MemoryRow, format_bytes
 
 _MODE_TITLES = {FORWARD: "forward (no_grad)", BACKWARD: "forward + backward"}
@@ -34,13 +34,13 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
     console.print(
         f"Decoding on {report.device}, batch 1, {report.dtype}, d_model {report.d_model}, "
         f"{report.num_heads} heads, {report.threads} threads; times per attention layer, "
-        f"measured through a stack of {report.layers}; floor = (weights + cache read) / "
-        f"memory bandwidth (GB/s, {probe} measured beside each row); weights "
-        f"{report.weight_bytes / 2**20:.1f} MiB per layer"
+        f"measured through a stack of {report.layers}; floor = max((weights + cache read) / "
+        f"memory bandwidth, flops / matmul rate) (GB/s: {probe}, GFLOP/s: a 1024^3 matmul, "
+        f"measured beside each row); weights {report.weight_bytes / 2**20:.1f} MiB per layer"
     )
     steps = Table(title="Next token: KV cache against recomputing the prefix")
     columns = ("context", "cached ms", "tok/s", "recomp. ms", "tok/s", "speedup", "GB/s")
-    columns = (*columns, "floor ms")
+    columns = (*columns, "GFLOP/s", "memory ms", "compute ms")
     for column in (*columns, "x floor"):
         steps.add_column(column, justify="right")
     for row in report.rows:
@@ -51,17 +51,15 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
             f"{row.recompute_s * 1e3:.2f}",
             f"{1 / row.recompute_s:,.0f}",
             f"{row.speedup:.1f}x",
-            f"{row.read_bytes_per_s / 1e9:.1f}",
-            f"{row.floor_s * 1e3:.3f}",
-            f"{row.over_floor:.2f}",
+            *_floor_cells(row),
         )
     console.print(steps)
     caches = Table(
         title="Decode step by head layout (MHA multi-head, GQA grouped-query, MQA multi-query), "
         "batch and cache dtype"
     )
-    columns = ("layout", "kv", "batch", "cache", "context", "B/token", "ms", "GB/s", "floor ms")
-    for column in (*columns, "x floor"):
+    columns = ("layout", "kv", "batch", "cache", "context", "B/token", "ms", "GB/s", "GFLOP/s")
+    for column in (*columns, "memory ms", "compute ms", "binds", "x floor"):
         caches.add_column(column, justify="right", no_wrap=True)
     for row in report.cache_rows:
         caches.add_row(
@@ -72,11 +70,22 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
             str(row.context),
             f"{row.bytes_per_token:,}",
             f"{row.cached_s * 1e3:.3f}",
-            f"{row.read_bytes_per_s / 1e9:.1f}",
-            f"{row.floor_s * 1e3:.3f}",
+            *_floor_cells(row)[:-1],
+            row.binds,
             f"{row.over_floor:.2f}",
         )
     console.print(caches)
+
+
+def _floor_cells(row: DecodeRow | CacheRow) -> tuple[str, ...]:
+    """A decode row's probes and floor terms, then its time over the floor."""
+    return (
+        f"{row.read_bytes_per_s / 1e9:.1f}",
+        f"{row.flops_per_s / 1e9:,.0f}",
+        f"{row.memory_floor_s * 1e3:.3f}",
+        f"{row.compute_floor_s * 1e3:.3f}",
+        f"{row.over_floor:.2f}",
+    )
 
 
 def print_compare(report: CompareReport, console: Console | None = None) -> None:

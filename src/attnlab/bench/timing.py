@@ -139,6 +139,19 @@ def bandwidth_probe(
     return device_copy(device, DEVICE_COPY_BYTES if nbytes is None else nbytes)
 
 
+MATMUL_SIZE = 1024  # the matmul probe's square matrices
+
+
+def matmul_probe(
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, size: int = MATMUL_SIZE
+) -> tuple[Callable[[], object], float]:
+    """What measures the matmul rate where a benchmark runs: a product of two random
+    size x size matrices in `dtype` on `device`. Returns (call, flops it does)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    return (lambda: torch.mm(a, b)), 2.0 * size**3
+
+
 def _timer_class() -> type:
     """torch.utils.benchmark.Timer, imported on first use: its module imports
     torch.utils.cpp_extension, which the CUDA wheels make print "No CUDA runtime is found"
