@@ -1,7 +1,7 @@
 """How close the native decode step's kernels come to this machine's limits on one thread
-(issue 39), away from the stack's layers, threads and Python: the grouped attention
-kernels and the projection, each timed in a loop in C++, beside the two limits measured in
-the same run on one thread.
+(or N, `--threads`; issue 39), away from the stack's layers and Python: the grouped
+attention kernels and the projection, each timed in a loop in C++, beside the two limits
+measured in the same run on as many threads.
 
 - attention: a group of 12 (multi-query) or 3 (grouped-query) query heads over 256 keys of
   64 features (a cache block), scores then values, with the op's prefetches. "L2": the same
@@ -22,7 +22,10 @@ its kernels in turn with these, each loop's best of three runs, in one process:
     git show HEAD:src/attnlab/csrc/decode_step.cpp > /tmp/before.cpp
     python scripts/decode_kernel_rates.py --baseline /tmp/before.cpp
 
-Usage: python scripts/decode_kernel_rates.py [--rounds N] [--baseline BEFORE.cpp]
+`--threads N` runs each loop on N threads at once (each its own buffers; the rate is their
+sum) beside the limits on N threads: how the kernels share the memory system.
+
+Usage: python scripts/decode_kernel_rates.py [--rounds N] [--baseline BEFORE.cpp] [--threads N]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -96,30 +100,52 @@ def loops(rounds: int):
     return out
 
 
-def rates(modules, call) -> list[float]:
-    """Each module's GFLOP/s on one loop, the best of three runs taken in turn."""
+def rates(modules, call, threads: int = 1) -> list[float]:
+    """Each module's GFLOP/s on one loop, the best of three runs taken in turn; with
+    `threads` above 1, the loop runs on that many threads at once (each its own buffers,
+    the GIL released) and the rate is their sum."""
     best_rates = [0.0] * len(modules)
     for _ in range(3):
         for i, module in enumerate(modules):
-            best_rates[i] = max(best_rates[i], call(module))
+            best_rates[i] = max(best_rates[i], _at_once(call, module, threads))
     return best_rates
+
+
+def _at_once(call, module, threads: int) -> float:
+    """The sum of `threads` concurrent runs' GFLOP/s of call(module)."""
+    if threads == 1:
+        return call(module)
+    results = [0.0] * threads
+
+    def run(k: int) -> None:
+        results[k] = call(module)
+
+    workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(results)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4096)
     parser.add_argument("--baseline", help="another decode_step.cpp, timed in turn with this one")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="threads running each loop at once (limits too)"
+    )
     args = parser.parse_args()
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     modules = [kernels()] + ([kernels(Path(args.baseline))] if args.baseline else [])
     bandwidth, matmul = limits()
-    measured = [(*row[:3], rates(modules, row[3])) for row in loops(args.rounds)]
+    measured = [(*row[:3], rates(modules, row[3], args.threads)) for row in loops(args.rounds)]
     bandwidth_after, matmul_after = limits()
     bandwidth, matmul = max(bandwidth, bandwidth_after), max(matmul, matmul_after)
     table = Table(
-        title=f"One thread: torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm "
+        title=f"{args.threads} thread(s): torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm "
         f"{matmul / 1e9:.0f} GFLOP/s (best of before and after the kernels)"
     )
     columns = ["kernel", "from", "GFLOP/s", "GB/s", "x limit"]
