@@ -24,11 +24,16 @@ double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
 #if defined(ATTNLAB_SCORE_BOUNDS)  // the scores scaled and bounded as they are stored
   std::vector<Vec> bounds(2 * groups);
 #endif
+#if defined(ATTNLAB_TICK_EVERY)  // a tick per tick_every<G>() rows read
+  auto ticked = [](auto G, int64_t rows) { return ticks_over<decltype(G)::value>(rows); };
+#else  // a tick per row
+  auto ticked = [](auto, int64_t rows) { return rows; };
+#endif
   auto score_ticks = [&] {
     int64_t ticks = 0;
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
       with_group_block(groups - i, [&](auto G) {
-        ticks += hd * std::max<int64_t>(1, keys / (key_vectors<decltype(G)::value>() * Vec::size()));
+        ticks += ticked(G, hd) * std::max<int64_t>(1, keys / (key_vectors<decltype(G)::value>() * Vec::size()));
       });
     }
     return ticks;
@@ -38,7 +43,7 @@ double attention(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
     for (int64_t i = 0; i < groups; i += kGroupBlock) {
       with_group_block(groups - i, [&](auto G) {
 #if defined(ATTNLAB_VALUE_ROWS)
-        ticks += keys * row_value_calls<decltype(G)::value>(hd);
+        ticks += ticked(G, keys) * row_value_calls<decltype(G)::value>(hd);
 #else
         ticks += hd / value_rows<decltype(G)::value>() * std::max<int64_t>(1, keys / Vec::size());
 #endif

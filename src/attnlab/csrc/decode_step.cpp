@@ -40,9 +40,11 @@
 #include <vector>
 
 // What scripts/decode_kernel_rates.cpp reads to call this version's kernels: the values are
-// stored as rows (capacity, hd); grouped_scores takes a ScoreBounds
+// stored as rows (capacity, hd); grouped_scores takes a ScoreBounds; the prefetches tick
+// once per tick_every<G>() rows (ticks_over<G>)
 #define ATTNLAB_VALUE_ROWS 1
 #define ATTNLAB_SCORE_BOUNDS 1
+#define ATTNLAB_TICK_EVERY 1
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define ATTNLAB_X86 1  // x86 intrinsics: prefetches and widening loads
@@ -465,6 +467,24 @@ struct Prefetcher {
 constexpr int kGroupBlock = 6;
 constexpr int64_t kMaxGroupedChunk = 512;  // keys per work item, at most, in registers
 
+// Rows of keys or values a block of G query heads reads per tick of the prefetches: a
+// tick's few scalar instructions once per row for fewer heads, once per 4 rows for a
+// full block, whose 24 multiply-adds a row leave the prefetches time. Multi-query on two
+// threads of a Zen 4 (scripts/decode_gqa.py --baseline): 0.97-0.99 of the time at batch 8.
+// (An Intel Xeon's two threads ran multi-query attention from L2 at 65% of torch.mm, a
+// Zen 4's at 100%; whether the ticks' scalar work, which shares the Xeon's vector ports,
+// is why was not measured there.)
+template <int G>
+constexpr int64_t tick_every() {
+  return G >= kGroupBlock ? 4 : 1;
+}
+
+// Ticks over `rows` rows read by a block of G query heads.
+template <int G>
+int64_t ticks_over(int64_t rows) {
+  return (rows + tick_every<G>() - 1) / tick_every<G>();
+}
+
 // Key vectors per step of grouped_scores for G query heads: as many as fit in registers with
 // their G x them sums and the broadcast query feature, up to 4 (so that a few query heads,
 // as grouped-query layouts have, still keep 8 to 16 independent multiply-adds in flight:
@@ -524,7 +544,7 @@ void grouped_scores(const float* q, int64_t hd, const T* k, int64_t cap, int64_t
     }
     for (int64_t d = 0; d < hd; ++d) {
       const T* row = k + d * cap + t;
-      ahead.tick();
+      if (d % tick_every<G>() == 0) ahead.tick();
       Vec kv[NV];
       ATTNLAB_UNROLL
       for (int j = 0; j < NV; ++j) kv[j] = load(row + j * w);
@@ -585,7 +605,7 @@ void row_values(const float* p, int64_t n, const T* v, int64_t hd, int64_t m, fl
   }
   for (int64_t t = 0; t < m; ++t) {
     const T* row = v + t * hd;
-    ahead.tick();
+    if (t % tick_every<G>() == 0) ahead.tick();
     Vec x[NV];
     ATTNLAB_UNROLL
     for (int j = 0; j < NV; ++j) x[j] = Part ? load_part(row, part) : load(row + j * w);
@@ -730,7 +750,7 @@ struct Attend {
       for (int64_t i = 0; i < groups; i += kGroupBlock) {
         with_group_block(groups - i, [&](auto G) {
           constexpr int64_t step = key_vectors<decltype(G)::value>() * Vec::size();
-          ticks += hd * std::max<int64_t>(1, m / step);
+          ticks += ticks_over<decltype(G)::value>(hd) * std::max<int64_t>(1, m / step);
         });
       }
       return ticks;
@@ -777,18 +797,22 @@ struct Attend {
     // of tokens at a time, while the next block (or the next item's keys) is prefetched
     float* out0 = partial + ((b * heads + g * groups) * chunks + c) * (hd + 2);
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
-    int64_t calls = 0;  // of row_values per row, block of query heads by block
-    for (int64_t i = 0; i < groups; i += kGroupBlock) {
-      with_group_block(groups - i, [&](auto G) {
-        calls += row_value_calls<decltype(G)::value>(hd);
-      });
-    }
-    ahead.start_far(next_keys, next_elements, n * calls);
+    auto value_ticks = [&](int64_t m) {  // over m rows of values, block by block
+      int64_t ticks = 0;
+      for (int64_t i = 0; i < groups; i += kGroupBlock) {
+        with_group_block(groups - i, [&](auto G) {
+          constexpr int G_ = decltype(G)::value;
+          ticks += ticks_over<G_>(m) * row_value_calls<G_>(hd);
+        });
+      }
+      return ticks;
+    };
+    ahead.start_far(next_keys, next_elements, value_ticks(n));
     for (int64_t u = 0; u < n; u += value_block) {
       const int64_t m = std::min(value_block, n - u);
       const bool last = u + m >= n;
       ahead.start(last ? nullptr : values_start + (u + m) * hd,
-                  last ? 0 : std::min(value_block, n - u - m) * hd, m * calls);
+                  last ? 0 : std::min(value_block, n - u - m) * hd, value_ticks(m));
       for (int64_t i = 0; i < groups; i += kGroupBlock) {
         with_group_block(groups - i, [&](auto G) {
           all_row_values<decltype(G)::value>(scores.data() + i * n + u, n,
