@@ -20,6 +20,7 @@ from attnlab.bench.compare import (
 )
 from attnlab.bench.decode import CacheRow, DecodeReport, DecodeRow
 from attnlab.bench.memory import MemoryReport, MemoryRow, format_bytes
+from attnlab.bench.timing import MATMUL_SIZE
 
 _MODE_TITLES = {FORWARD: "forward (no_grad)", BACKWARD: "forward + backward"}
 
@@ -35,7 +36,8 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
         f"Decoding on {report.device}, batch 1, {report.dtype}, d_model {report.d_model}, "
         f"{report.num_heads} heads, {report.threads} threads; times per attention layer, "
         f"measured through a stack of {report.layers}; floor = max((weights + cache read) / "
-        f"memory bandwidth, flops / matmul rate) (GB/s: {probe}, GFLOP/s: a 1024^3 matmul, "
+        f"memory bandwidth, flops / matmul rate) (GB/s: {probe}, GFLOP/s: a {MATMUL_SIZE}^3 "
+        f"matmul, "
         f"measured beside each row); weights {report.weight_bytes / 2**20:.1f} MiB per layer"
     )
     steps = Table(title="Next token: KV cache against recomputing the prefix")
@@ -52,6 +54,7 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
             f"{1 / row.recompute_s:,.0f}",
             f"{row.speedup:.1f}x",
             *_floor_cells(row),
+            f"{row.over_floor:.2f}",
         )
     console.print(steps)
     caches = Table(
@@ -70,7 +73,7 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
             str(row.context),
             f"{row.bytes_per_token:,}",
             f"{row.cached_s * 1e3:.3f}",
-            *_floor_cells(row)[:-1],
+            *_floor_cells(row),
             row.binds,
             f"{row.over_floor:.2f}",
         )
@@ -78,13 +81,12 @@ def print_decode(report: DecodeReport, console: Console | None = None) -> None:
 
 
 def _floor_cells(row: DecodeRow | CacheRow) -> tuple[str, ...]:
-    """A decode row's probes and floor terms, then its time over the floor."""
+    """A decode row's probes (GB/s, GFLOP/s) and its floor's two terms (ms)."""
     return (
         f"{row.read_bytes_per_s / 1e9:.1f}",
         f"{row.flops_per_s / 1e9:,.0f}",
         f"{row.memory_floor_s * 1e3:.3f}",
         f"{row.compute_floor_s * 1e3:.3f}",
-        f"{row.over_floor:.2f}",
     )
 
 
