@@ -204,6 +204,24 @@ def test_the_vectorised_build_is_x86_avx2(machine, capability, vectorised, monke
     assert ("-DCPU_CAPABILITY=AVX2" in wide) is (vectorised and capability == "AVX2")
 
 
+@pytest.mark.parametrize("has_them", [True, False])
+@pytest.mark.parametrize("vectors", [None, "avx512", "avx2"])
+def test_bfloat16_products_are_built_where_the_cpu_has_them(has_them, vectors, monkeypatch):
+    """-mavx512bf16 joins the AVX-512 flags exactly where torch reports AVX512_BF16, unless
+    ATTNLAB_VECTORS=avx512 (or avx2) asks for a build without them."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has_them)
+    if vectors is None:
+        monkeypatch.delenv(_build.VECTORS_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(_build.VECTORS_VARIABLE, vectors)
+    flags = _build.cflags(_build._wide(True))
+    assert (_build.BF16_FLAG in flags) is (has_them and vectors is None)
+    assert ("-DCPU_CAPABILITY=AVX512" in flags) is (vectors != "avx2")
+    assert _build.BF16_FLAG not in _build.cflags(False)
+
+
 def test_attnlab_vectors_avx2_keeps_the_avx2_build(fake_build, source, monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")

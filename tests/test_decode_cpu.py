@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from attnlab import KVCache, MultiHeadAttention, _build, decode_cpu, plan
 from attnlab.kv_cache import quantize
+from tests import products
 
 NATIVE = decode_cpu.available()
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
@@ -114,6 +115,7 @@ def test_the_native_step_equals_the_python_path(dtype, num_kv_heads, rope, windo
     # a narrower store may round a key the two paths computed 1e-7 apart to neighbouring
     # steps (exact comparison against the stored tokens: the test below)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.int8: 1e-2}[dtype]
+    tolerance = products.tolerance(dtype, 4 // num_kv_heads, tolerance)  # see tests/products.py
     torch.testing.assert_close(native, python, rtol=tolerance, atol=tolerance)
     for got, want in zip(_stored(native_cache), _stored(python_cache), strict=True):
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
@@ -130,30 +132,71 @@ def _stored(cache):
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
-@pytest.mark.parametrize(("rope", "window"), [(False, None), (True, 5)])
-def test_the_native_step_attends_to_the_tokens_it_stored(dtype, num_kv_heads, rope, window):
+@pytest.mark.parametrize(("rope", "window", "hd"), [(False, None, 8), (True, 5, 8), (False, 3, 7)])
+def test_the_native_step_attends_to_the_tokens_it_stored(dtype, num_kv_heads, rope, window, hd):
     """Each output equals attention, in float64, of the token's query over the keys and
     values the cache holds (read back after decoding: a cache without a window keeps every
-    token, the module's window then limits what each query sees)."""
-    m = build(8, 4, num_kv_heads, head_dim=8, rope=rope, window=window, bias=True)
+    token, the module's window then limits what each query sees); an odd head dim leaves
+    the bfloat16 products a last feature without its pair."""
+    m = build(8, 4, num_kv_heads, head_dim=hd, rope=rope, window=window, bias=True)
     b, t = 2, 16
     x = torch.randn(b, t, 6)
-    cache = KVCache(b, t, num_kv_heads, 8, dtype=dtype)  # no window: nothing overwritten
+    cache = KVCache(b, t, num_kv_heads, hd, dtype=dtype)  # no window: nothing overwritten
     with torch.no_grad():
         got = torch.cat([m(x[:, i : i + 1], cache=cache) for i in range(t)], dim=1)
-        q = m.qkv_proj(x)[..., : m.d_out].view(b, t, 4, 8).transpose(1, 2)  # (b, h, t, hd)
+        q = m.qkv_proj(x)[..., : m.d_out].view(b, t, 4, hd).transpose(1, 2)  # (b, h, t, hd)
         if rope:
             q = m.rope(q, 0)
     keys, values = (s.double().repeat_interleave(4 // num_kv_heads, 1) for s in _stored(cache))
-    scores = q.double() @ keys.transpose(-2, -1) / 8**0.5  # (b, h, t, t)
     position = torch.arange(t)
     allowed = position[None, :] <= position[:, None]
     if window is not None:
         allowed &= position[None, :] > position[:, None] - window
-    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    heads = (weights @ values).transpose(1, 2).reshape(b, t, m.d_out)  # (b, t, d_out)
-    want = heads @ m.out_proj.weight.double().T + m.out_proj.bias.double()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    rounded = products.rounds(dtype, 4 // num_kv_heads)
+    heads, bound = products.attention64(q, keys, values, hd**-0.5, allowed, rounded)
+    _assert_within(got, heads, bound, m.out_proj)
+
+
+def _assert_within(got, heads, bound, out_proj):
+    """got (b, t, d_out) equals out_proj(heads) (heads (b, h, t, hd) in float64) within 1e-5
+    and the bound on the heads (tests/products.py) carried through the projection."""
+    b, h, t, hd = heads.shape
+    # (b, h, t, hd) -> (b, t, d_out)
+    heads, bound = (x.transpose(1, 2).reshape(b, t, h * hd) for x in (heads, bound))
+    weight = out_proj.weight.double()
+    want = heads @ weight.T + out_proj.bias.double()
+    slack = bound @ weight.abs().T + 1e-5 * (1 + want.abs())
+    excess = (got.double() - want).abs() - slack
+    assert excess.max() <= 0, f"off by {excess.max():.3g} past the bound {slack.max():.3g}"
+    if not bound.any():  # float32 products: the float32 comparison's own message
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_kv_heads", "hd", "held"), [(1, 7, 12), (2, 5, 20), (1, 7, 300)])
+def test_the_step_reads_no_slot_past_the_tokens_it_attends_to(dtype, num_kv_heads, hd, held):
+    """Every slot of the cache NaN but the tokens held and the new one's: the output is
+    finite and equals float64 attention over those (an odd number of tokens and an odd head
+    dim leave the bfloat16 products an element without its pair, which must meet a zero,
+    not the memory after it)."""
+    torch.manual_seed(held)
+    m = MultiHeadAttention(6, 4 * hd, 2 * held + 40, 0.0, 4, num_kv_heads=num_kv_heads).eval()
+    cache = m.make_cache(2, dtype=dtype)
+    x = torch.randn(2, 1, 6)
+    with torch.no_grad():
+        for buffer in (cache.keys_t, cache.values_t):
+            buffer.fill_(float("nan"))
+        cache.update(torch.randn(2, num_kv_heads, held, hd), torch.randn(2, num_kv_heads, held, hd))
+        got = decode_cpu.step(x, plan.native_module(m), 4, hd**-0.5, cache, None)
+        q = m.qkv_proj(x)[..., : m.d_out].view(2, 1, 4, hd).transpose(1, 2)  # (b, h, 1, hd)
+    assert got is not None, "the native step refused its own result (not finite)"
+    groups = 4 // num_kv_heads
+    held_now = (s.double()[:, :, : held + 1] for s in _stored(cache))
+    keys, values = (s.repeat_interleave(groups, 1) for s in held_now)
+    rounded = products.rounds(dtype, groups)
+    heads, bound = products.attention64(q, keys, values, hd**-0.5, rounded=rounded)
+    _assert_within(got, heads, bound, m.out_proj)
 
 
 @st.composite
@@ -199,10 +242,11 @@ def test_a_model_sized_native_step_equals_float64_attention_over_the_cache(c):
     keys, values = (s.double().repeat_interleave(12 // hkv, 1) for s in _stored(cache))
     slots = torch.arange(held + 1) % cache.capacity
     seen = slots[-(window or held + 1) :]  # the slots of the keys the token attends to
-    scores = q.double() @ keys[:, :, seen].transpose(-2, -1) / hd**0.5  # (b, h, 1, seen)
-    heads = (scores.softmax(-1) @ values[:, :, seen]).transpose(1, 2).reshape(b, 1, m.d_out)
-    want = heads @ m.out_proj.weight.double().T + m.out_proj.bias.double()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    rounded = products.rounds(c["dtype"], 12 // hkv)
+    heads, bound = products.attention64(
+        q, keys[:, :, seen], values[:, :, seen], hd**-0.5, rounded=rounded
+    )
+    _assert_within(got, heads, bound, m.out_proj)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
@@ -477,18 +521,27 @@ def test_quantize_rounds_half_to_even_and_clamps():
     assert q.tolist() == [[[[127, 0, 2, -2]]]]
 
 
-@pytest.mark.skipif(
-    not NATIVE or _build.vector_flags(wide=True) == _build.vector_flags(),
-    reason="this CPU's build of the decode step is the AVX2 one, tested above",
-)
-def test_the_avx2_build_passes_the_native_tests_too():
+def _other_builds() -> list[str]:
+    """The ATTNLAB_VECTORS values that build another decode step on this CPU than its own:
+    avx2 on an AVX-512 CPU, avx512 (without bfloat16 products) on one with them."""
+    if not NATIVE:
+        return []
+    others = ["avx2"] if _build.vector_flags(wide=True) != _build.vector_flags() else []
+    return others + (["avx512"] if products.PRODUCTS else [])
+
+
+@pytest.mark.skipif(not _other_builds(), reason="this CPU builds one decode step only")
+@pytest.mark.parametrize("vectors", _other_builds() or ["none"])
+def test_the_other_builds_pass_the_native_tests_too(vectors):
     """On an AVX-512 CPU the step is built with 16-float vectors and 12 query heads summed in
-    registers; the AVX2 build (8 floats, 6 heads), which AVX2-only CPUs get, is built and
-    run through the native tests here as well (ATTNLAB_VECTORS=avx2)."""
+    registers, with AVX512_BF16 bfloat16 products for the narrower caches; the AVX2 build (8
+    floats, 6 heads), which AVX2-only CPUs get, and the AVX-512 build without the products,
+    which AVX-512 CPUs without AVX512_BF16 get, are built and run through the native tests
+    here as well (ATTNLAB_VECTORS=avx2, avx512)."""
     tests = "model_sized or equals_the_python_path or attends_to_the_tokens or strided"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
-        env={**os.environ, _build.VECTORS_VARIABLE: "avx2"},
+        env={**os.environ, _build.VECTORS_VARIABLE: vectors},
         capture_output=True,
         text=True,
         timeout=600,

@@ -46,15 +46,26 @@ def vectorised() -> bool:
 
 
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+BF16_FLAG = "-mavx512bf16"  # bfloat16 dot products (vdpbf16ps), where the CPU has them
+
+
+def bfloat16_products() -> bool:
+    """Whether an AVX-512 build also gets AVX512_BF16's dot products (the decode step's
+    int8 and bfloat16 caches multiply with them): where this CPU has them, unless
+    ATTNLAB_VECTORS=avx512 asks for the AVX-512 build without them (to test it)."""
+    has_them = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return has_them and os.environ.get(VECTORS_VARIABLE) != "avx512"
 
 
 def vector_flags(wide: bool = False) -> list[str]:
     """Compiler flags for ATen's vector types on this CPU (see `vectorised`): AVX2, or with
-    `wide` AVX-512 where PyTorch runs its own AVX-512 kernels on this CPU."""
+    `wide` AVX-512 where PyTorch runs its own AVX-512 kernels on this CPU, with its bfloat16
+    dot products where `bfloat16_products`."""
     if not vectorised():
         return ["-DCPU_CAPABILITY=DEFAULT"]
     if wide and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return [*AVX512_FLAGS, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+        products = [BF16_FLAG] if bfloat16_products() else []
+        return [*AVX512_FLAGS, *products, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     return ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 
 

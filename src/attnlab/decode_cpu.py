@@ -62,6 +62,14 @@ def available() -> bool:
     return load_error() is None
 
 
+def bfloat16_products() -> bool:
+    """Whether this build's step multiplies an int8 or bfloat16 cache in bfloat16 where a
+    key/value head serves several query heads (AVX512_BF16: the queries and the softmax
+    weights rounded to bfloat16, the sums float32); else it multiplies in float32. The
+    extension must be available."""
+    return binding().bfloat16_products()
+
+
 def reads(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel reads a cache of this dtype on this device (float32, bfloat16 or
     int8 on the CPU) and is built; then make_cache lays a cache out in its blocks."""

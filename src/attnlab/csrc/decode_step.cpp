@@ -665,6 +665,224 @@ void with_group_block(int64_t remaining, F&& f) {
   f(std::integral_constant<int, G>{});
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define ATTNLAB_BF16_PRODUCTS 1
+// bfloat16 products, for an int8 or a bfloat16 cache on a CPU with AVX512_BF16 (attnlab._build
+// adds -mavx512bf16 there). vdpbf16ps multiplies the two bfloat16 of each 32-bit lane by two
+// others and adds both products to the lane's float32 sum: twice the multiply-adds of an FMA
+// per instruction, at the same rate on a Zen 4 (3.7 G instructions a second each, one
+// thread). The cache's values are exact in bfloat16 (int8's -128..127 need 8 bits of
+// significand, bfloat16 has 8); the queries and the softmax weights are rounded to it (a
+// relative 2^-9, as SDPA on bfloat16 tensors rounds them), the sums are float32. Multi-query
+// attention over an int8 cache is arithmetic-bound (scripts/decode_regions.py), so this
+// halves its arithmetic. A float32 cache keeps float32 products, and so does a key/value head
+// read by one query head (multi-head attention, memory-bound: the products would only add
+// the conversions and the rounding; scripts/decode_gqa.py --baseline, 1.00-1.07 of the time).
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kBfloat16Products = true;
+
+// Word order that interleaves two vectors' lanes: a[l] to word 2l, b[l] to word 2l + 1.
+alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                  21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Lane l holds the bfloat16 pair (a[l], b[l]), each rounded to nearest even.
+inline __m512bh pair(const Vec& a, const Vec& b) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // words 0-15: a, 16-31: b
+  return (__m512bh)_mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both);
+}
+
+// Every lane holds the bfloat16 pair (p[0], p[1]).
+inline __m512bh pair_at(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// out[0..n) = x[0..n) rounded to bfloat16, out[n] = 0 (the second word of an odd count's last
+// pair).
+void to_bfloat16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  }
+  if (i < n) {
+    const __mmask16 lanes = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256i words = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x + i));
+    _mm256_mask_storeu_epi16(out + i, lanes, words);
+  }
+  out[n] = 0;
+}
+
+// The ticks of rows r and, where `two`, r + 1, read by a block of G query heads.
+template <int G>
+inline void tick_pair(Prefetcher& ahead, int64_t r, bool two) {
+  if (r % tick_every<G>() == 0) ahead.tick();
+  if (two && (r + 1) % tick_every<G>() == 0) ahead.tick();
+}
+
+// 16 bfloat16 at p (the first `part` where Part, the other words 0), as they are.
+template <bool Part>
+inline __m256i words_at(const c10::BFloat16* p, int64_t part) {
+  if constexpr (Part) {
+    return _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << part) - 1), p);
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+}
+
+// NV vectors (Part: one of `part` lanes) of rows r and r + 1 (`next` elements on; a zero row
+// where not `two`), as pairs: a bfloat16 cache's words interleaved as they are.
+template <int NV, bool Part>
+inline void row_pairs(const c10::BFloat16* row, int64_t next, bool two, int64_t part,
+                      __m512bh* out) {
+  constexpr int64_t w = Vec::size();
+  ATTNLAB_UNROLL
+  for (int j = 0; j < NV; ++j) {
+    const __m256i a = words_at<Part>(row + j * w, part);
+    const __m256i b = two ? words_at<Part>(row + next + j * w, part) : _mm256_setzero_si256();
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    out[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both);
+  }
+}
+
+// The same of an int8 cache: widened to float32, then rounded (exactly) to bfloat16.
+template <int NV, bool Part>
+inline void row_pairs(const int8_t* row, int64_t next, bool two, int64_t part, __m512bh* out) {
+  constexpr int64_t w = Vec::size();
+  ATTNLAB_UNROLL
+  for (int j = 0; j < NV; ++j) {
+    const Vec a = Part ? load_part(row, part) : load(row + j * w);
+    const Vec b = !two ? Vec(0.0f) : (Part ? load_part(row + next, part) : load(row + next + j * w));
+    out[j] = pair(a, b);
+  }
+}
+
+// grouped_scores with bfloat16 products: q (G heads, `q_stride` words apart) rounded to
+// bfloat16 with a zero word past each head's hd (to_bfloat16), two rows of keys a step. NV
+// vectors of keys from t = 0 (Part: one vector of `part` keys).
+template <int G, int NV, bool Part = false, typename T>
+void pair_score_step(const uint16_t* q, int64_t q_stride, int64_t hd, const T* k, int64_t cap,
+                     int64_t t, int64_t part, float* scores, int64_t n,
+                     const ScoreBounds& bounds, Prefetcher& ahead) {
+  constexpr int64_t w = Vec::size();
+  __m512 a[G][NV];
+  ATTNLAB_UNROLL
+  for (int i = 0; i < G; ++i) {
+    ATTNLAB_UNROLL
+    for (int j = 0; j < NV; ++j) a[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < hd; d += 2) {
+    const bool two = d + 1 < hd;
+    tick_pair<G>(ahead, d, two);
+    __m512bh kv[NV];
+    row_pairs<NV, Part>(k + d * cap + t, cap, two, part, kv);
+    ATTNLAB_UNROLL
+    for (int i = 0; i < G; ++i) {
+      const __m512bh qv = pair_at(q + i * q_stride + d);
+      ATTNLAB_UNROLL
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], qv, kv[j]);
+    }
+  }
+  ATTNLAB_UNROLL
+  for (int i = 0; i < G; ++i) {
+    ATTNLAB_UNROLL
+    for (int j = 0; j < NV; ++j) {
+      if constexpr (Part) {
+        bounds.finish(Vec(a[i][j]), i, t, part).store(scores + i * n + t, part);
+      } else {
+        bounds.finish(Vec(a[i][j]), i, t + j * w).store(scores + i * n + t + j * w);
+      }
+    }
+  }
+}
+
+// grouped_scores' loop (the same steps and remainders) with bfloat16 products.
+template <int G, typename T>
+void pair_scores(const uint16_t* q, int64_t q_stride, int64_t hd, const T* k, int64_t cap,
+                 int64_t m, float* scores, int64_t n, const ScoreBounds& bounds,
+                 Prefetcher& ahead) {
+  constexpr int64_t w = Vec::size();
+  constexpr int NV = key_vectors<G>();
+  int64_t t = 0;
+  for (; t + NV * w <= m; t += NV * w) {
+    pair_score_step<G, NV>(q, q_stride, hd, k, cap, t, 0, scores, n, bounds, ahead);
+  }
+  for (; t + w <= m; t += w) {
+    pair_score_step<G, 1>(q, q_stride, hd, k, cap, t, 0, scores, n, bounds, ahead);
+  }
+  if (t < m) pair_score_step<G, 1, true>(q, q_stride, hd, k, cap, t, m - t, scores, n, bounds, ahead);
+}
+
+// row_values with bfloat16 products: p (G heads' weights, `p_stride` words apart) rounded to
+// bfloat16 (to_bfloat16), two rows of values a step (the second word of an odd m's last pair
+// meets a zero row).
+template <int G, int NV, bool Part = false, typename T>
+void pair_values(const uint16_t* p, int64_t p_stride, const T* v, int64_t hd, int64_t m,
+                 float* out, int64_t stride, int64_t part, Prefetcher& ahead) {
+  constexpr int64_t w = Vec::size();
+  __m512 a[G][NV];
+  ATTNLAB_UNROLL
+  for (int i = 0; i < G; ++i) {
+    ATTNLAB_UNROLL
+    for (int j = 0; j < NV; ++j) {
+      a[i][j] = Part ? Vec::loadu(out + i * stride, part) : Vec::loadu(out + i * stride + j * w);
+    }
+  }
+  for (int64_t t = 0; t < m; t += 2) {
+    const bool two = t + 1 < m;
+    tick_pair<G>(ahead, t, two);
+    __m512bh x[NV];
+    row_pairs<NV, Part>(v + t * hd, hd, two, part, x);
+    ATTNLAB_UNROLL
+    for (int i = 0; i < G; ++i) {
+      const __m512bh pv = pair_at(p + i * p_stride + t);
+      ATTNLAB_UNROLL
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], pv, x[j]);
+    }
+  }
+  ATTNLAB_UNROLL
+  for (int i = 0; i < G; ++i) {
+    ATTNLAB_UNROLL
+    for (int j = 0; j < NV; ++j) {
+      if constexpr (Part) {
+        Vec(a[i][j]).store(out + i * stride, part);
+      } else {
+        Vec(a[i][j]).store(out + i * stride + j * w);
+      }
+    }
+  }
+}
+
+// all_row_values' calls (the same features, the same ticks) with bfloat16 products.
+template <int G, typename T>
+void all_pair_values(const uint16_t* p, int64_t p_stride, const T* v, int64_t hd, int64_t m,
+                     float* out, int64_t stride, Prefetcher& ahead) {
+  constexpr int64_t w = Vec::size();
+  constexpr int NV = key_vectors<G>();
+  int64_t f = 0;
+  for (; f + NV * w <= hd; f += NV * w) {
+    pair_values<G, NV>(p, p_stride, v + f, hd, m, out + f, stride, 0, ahead);
+  }
+  for (; f + w <= hd; f += w) pair_values<G, 1>(p, p_stride, v + f, hd, m, out + f, stride, 0, ahead);
+  if (f < hd) pair_values<G, 1, true>(p, p_stride, v + f, hd, m, out + f, stride, hd - f, ahead);
+}
+#else
+template <typename T>
+constexpr bool kPairs = false;
+constexpr bool kBfloat16Products = false;
+// declared only, for the branches `if constexpr (kPairs<T>)` discards
+void to_bfloat16(const float* x, int64_t n, uint16_t* out);
+template <int G, typename T>
+void pair_scores(const uint16_t*, int64_t, int64_t, const T*, int64_t, int64_t, float*, int64_t,
+                 const ScoreBounds&, Prefetcher&);
+template <int G, typename T>
+void all_pair_values(const uint16_t*, int64_t, const T*, int64_t, int64_t, float*, int64_t,
+                     Prefetcher&);
+#endif
+
 struct Attend {
   const float* qkv;  // (b, d_qkv): queries (rotated) then keys then values
   int64_t d_qkv, heads, kv_heads, hd, cap, block, first, count, chunk, chunks;
@@ -701,7 +919,7 @@ struct Attend {
   template <typename T>
   void item(int64_t index, T* keys_t, T* values_t, float* key_scales, float* value_scales,
             int64_t slot, int64_t next, bool first_item, std::vector<float>& scores,
-            std::vector<Vec>& bounds) const {
+            std::vector<Vec>& bounds, std::vector<uint16_t>& words) const {
     const int64_t c = index % chunks;
     int64_t b, g, t0, n;
     locate(index, b, g, t0, n);
@@ -737,6 +955,16 @@ struct Attend {
       ahead.all();
     }
     const float* q = qkv + b * d_qkv + g * groups * hd;  // (groups, hd)
+    // bfloat16 products (kPairs): the queries rounded, and the weights after the softmax
+    const int64_t q_stride = hd + 1, p_stride = n + 1;  // words per head: a zero pad each
+    uint16_t* q_words = words.data();
+    uint16_t* p_words = q_words + groups * q_stride;
+    const bool pairs = kPairs<T> && groups > 1;
+    if constexpr (kPairs<T>) {
+      for (int64_t i = 0; pairs && i < groups; ++i) {
+        to_bfloat16(q + i * hd, hd, q_words + i * q_stride);
+      }
+    }
     // The group's scores one small matrix product, each key read once for a block of up to
     // kGroupBlock query heads with their sums in registers (grouped_scores), scaled there and
     // bounded (ScoreBounds: per query head, the largest score and the least, vectors)
@@ -766,6 +994,13 @@ struct Attend {
       for (int64_t i = 0; i < groups; i += kGroupBlock) {
         with_group_block(groups - i, [&](auto G) {
           const ScoreBounds to{scale, ks ? ks + u : nullptr, maxima + i, minima + i};
+          if constexpr (kPairs<T>) {
+            if (pairs) {
+              return pair_scores<decltype(G)::value>(q_words + i * q_stride, q_stride, hd,
+                                                     k_head + s.offset, s.stride, s.m,
+                                                     scores.data() + i * n + u, n, to, ahead);
+            }
+          }
           grouped_scores<decltype(G)::value>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
                                              scores.data() + i * n + u, n, to, ahead);
         });
@@ -785,6 +1020,9 @@ struct Attend {
       if (value_scales) {  // the value scales folded into the weights
         const float* vs = value_scales + head * cap + t0;
         for (int64_t t = 0; t < n; ++t) s[t] *= vs[t];
+      }
+      if constexpr (kPairs<T>) {
+        if (pairs) to_bfloat16(s, n, p_words + i * p_stride);
       }
       float* p = partial + ((b * heads + g * groups + i) * chunks + c) * (hd + 2);
       p[hd] = m;
@@ -815,9 +1053,15 @@ struct Attend {
                   last ? 0 : std::min(value_block, n - u - m) * hd, value_ticks(m));
       for (int64_t i = 0; i < groups; i += kGroupBlock) {
         with_group_block(groups - i, [&](auto G) {
-          all_row_values<decltype(G)::value>(scores.data() + i * n + u, n,
-                                             values_start + u * hd, hd, m,
-                                             out0 + i * stride, stride, ahead);
+          if constexpr (kPairs<T>) {
+            if (pairs) {
+              return all_pair_values<decltype(G)::value>(p_words + i * p_stride + u, p_stride,
+                                                         values_start + u * hd, hd, m,
+                                                         out0 + i * stride, stride, ahead);
+            }
+          }
+          all_row_values<decltype(G)::value>(scores.data() + i * n + u, n, values_start + u * hd,
+                                             hd, m, out0 + i * stride, stride, ahead);
         });
       }
     }
@@ -872,9 +1116,11 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
                                                                                   int64_t end) {
     std::vector<float> scores(groups * a.chunk);
     std::vector<Vec> bounds(2 * groups);  // per query head: the largest and least scores
+    // bfloat16 queries and weights, each head's with a zero pad (Attend::item)
+    std::vector<uint16_t> words(kPairs<T> && groups > 1 ? groups * (a.hd + 1 + a.chunk + 1) : 0);
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
-                index + 1 < end ? index + 1 : -1, index == begin, scores, bounds);
+                index + 1 < end ? index + 1 : -1, index == begin, scores, bounds, words);
     }
   });
   a.merge(batch, attn);
@@ -1257,5 +1503,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("position"), py::arg("slot"), py::arg("first"), py::arg("count"),
         py::arg("block"), py::arg("scale"), py::arg("norm_eps"), py::arg("norm_offset"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("bfloat16_products", [] { return kBfloat16Products; },
+        "Whether an int8 or bfloat16 cache read by several query heads per key/value head "
+        "multiplies in bfloat16 (AVX512_BF16), else float32");
   bind_plan(m);
 }
