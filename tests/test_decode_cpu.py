@@ -174,24 +174,30 @@ def _assert_within(got, heads, bound, out_proj):
 
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_kv_heads", "hd", "held"), [(1, 7, 12), (2, 5, 20), (1, 7, 300)])
-def test_the_step_reads_no_slot_past_the_tokens_it_attends_to(dtype, num_kv_heads, hd, held):
+@pytest.mark.parametrize(
+    ("heads", "num_kv_heads", "hd", "held"),
+    [(4, 1, 7, 12), (4, 2, 5, 20), (4, 1, 7, 300), (14, 1, 8, 40)],
+)
+def test_the_step_reads_no_slot_past_the_tokens_it_attends_to(dtype, heads, num_kv_heads, hd, held):
     """Every slot of the cache NaN but the tokens held and the new one's: the output is
     finite and equals float64 attention over those (an odd number of tokens and an odd head
     dim leave the bfloat16 products an element without its pair, which must meet a zero,
-    not the memory after it)."""
+    not the memory after it); 14 query heads on one key/value head take a block of 12 and
+    one of 2 (bfloat16 products), or blocks of 6, 6 and 2."""
     torch.manual_seed(held)
-    m = MultiHeadAttention(6, 4 * hd, 2 * held + 40, 0.0, 4, num_kv_heads=num_kv_heads).eval()
+    m = MultiHeadAttention(
+        6, heads * hd, 2 * held + 40, 0.0, heads, num_kv_heads=num_kv_heads
+    ).eval()
     cache = m.make_cache(2, dtype=dtype)
     x = torch.randn(2, 1, 6)
     with torch.no_grad():
         for buffer in (cache.keys_t, cache.values_t):
             buffer.fill_(float("nan"))
         cache.update(torch.randn(2, num_kv_heads, held, hd), torch.randn(2, num_kv_heads, held, hd))
-        got = decode_cpu.step(x, plan.native_module(m), 4, hd**-0.5, cache, None)
-        q = m.qkv_proj(x)[..., : m.d_out].view(2, 1, 4, hd).transpose(1, 2)  # (b, h, 1, hd)
+        got = decode_cpu.step(x, plan.native_module(m), heads, hd**-0.5, cache, None)
+        q = m.qkv_proj(x)[..., : m.d_out].view(2, 1, heads, hd).transpose(1, 2)  # (b, h, 1, hd)
     assert got is not None, "the native step refused its own result (not finite)"
-    groups = 4 // num_kv_heads
+    groups = heads // num_kv_heads
     held_now = (s.double()[:, :, : held + 1] for s in _stored(cache))
     keys, values = (s.repeat_interleave(groups, 1) for s in held_now)
     rounded = products.rounds(dtype, groups)

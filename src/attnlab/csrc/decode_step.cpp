@@ -656,11 +656,11 @@ void all_row_values(const float* p, int64_t n, const T* v, int64_t hd, int64_t m
   if (f < hd) row_values<G, 1, true>(p, n, v + f, hd, m, out + f, stride, hd - f, ahead);
 }
 
-// f(std::integral_constant<int, G>) for G = min(remaining, kGroupBlock).
-template <int G = 1, typename F>
+// f(std::integral_constant<int, G>) for G = min(remaining, Max).
+template <int Max = kGroupBlock, int G = 1, typename F>
 void with_group_block(int64_t remaining, F&& f) {
-  if constexpr (G < kGroupBlock) {
-    if (remaining > G) return with_group_block<G + 1>(remaining, f);
+  if constexpr (G < Max) {
+    if (remaining > G) return with_group_block<Max, G + 1>(remaining, f);
   }
   f(std::integral_constant<int, G>{});
 }
@@ -681,6 +681,10 @@ void with_group_block(int64_t remaining, F&& f) {
 template <typename T>
 constexpr bool kPairs = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::BFloat16>;
 constexpr bool kBfloat16Products = true;
+// Query heads per block with bfloat16 products: all 12 of a multi-query head in registers at
+// once (2 vectors of keys a step), so that each key is widened and paired once for them all;
+// the conversions, not the products, bound the blocks of 6 (decode_regions.py).
+constexpr int kPairBlock = 12;
 
 // Word order that interleaves two vectors' lanes: a[l] to word 2l, b[l] to word 2l + 1.
 alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
@@ -873,6 +877,7 @@ void all_pair_values(const uint16_t* p, int64_t p_stride, const T* v, int64_t hd
 template <typename T>
 constexpr bool kPairs = false;
 constexpr bool kBfloat16Products = false;
+constexpr int kPairBlock = kGroupBlock;
 // declared only, for the branches `if constexpr (kPairs<T>)` discards
 void to_bfloat16(const float* x, int64_t n, uint16_t* out);
 template <int G, typename T>
@@ -909,6 +914,23 @@ struct Attend {
       f(s, u, after < n ? base + next.offset : then, after < n ? span(next) : then_elements);
       u = after;
       s = next;
+    }
+  }
+
+  // f(the block's first query head, std::integral_constant<int, G>) for each block of G of
+  // the `groups` query heads: blocks of kPairBlock with bfloat16 products, else kGroupBlock.
+  template <typename T, typename F>
+  static void each_block(int64_t groups, bool pairs, F&& f) {
+    if constexpr (kPairs<T>) {
+      if (pairs) {
+        for (int64_t i = 0; i < groups; i += kPairBlock) {
+          with_group_block<kPairBlock>(groups - i, [&](auto G) { f(i, G); });
+        }
+        return;
+      }
+    }
+    for (int64_t i = 0; i < groups; i += kGroupBlock) {
+      with_group_block<kGroupBlock>(groups - i, [&](auto G) { f(i, G); });
     }
   }
 
@@ -975,12 +997,10 @@ struct Attend {
     const float* ks = key_scales ? key_scales + head * cap + t0 : nullptr;
     auto score_ticks = [&](int64_t m) {  // rows grouped_scores reads, block by block
       int64_t ticks = 0;
-      for (int64_t i = 0; i < groups; i += kGroupBlock) {
-        with_group_block(groups - i, [&](auto G) {
-          constexpr int64_t step = key_vectors<decltype(G)::value>() * Vec::size();
-          ticks += ticks_over<decltype(G)::value>(hd) * std::max<int64_t>(1, m / step);
-        });
-      }
+      each_block<T>(groups, pairs, [&](int64_t, auto G) {
+        constexpr int64_t step = key_vectors<decltype(G)::value>() * Vec::size();
+        ticks += ticks_over<decltype(G)::value>(hd) * std::max<int64_t>(1, m / step);
+      });
       return ticks;
     };
     int64_t key_ticks = 0;
@@ -991,20 +1011,20 @@ struct Attend {
     for_segments(k_head, t0, n, static_cast<const T*>(nullptr), 0,
                  [&](const Segment& s, int64_t u, const T* after, int64_t after_elements) {
       ahead.start(after, after_elements, score_ticks(s.m));
-      for (int64_t i = 0; i < groups; i += kGroupBlock) {
-        with_group_block(groups - i, [&](auto G) {
-          const ScoreBounds to{scale, ks ? ks + u : nullptr, maxima + i, minima + i};
-          if constexpr (kPairs<T>) {
-            if (pairs) {
-              return pair_scores<decltype(G)::value>(q_words + i * q_stride, q_stride, hd,
-                                                     k_head + s.offset, s.stride, s.m,
-                                                     scores.data() + i * n + u, n, to, ahead);
-            }
+      each_block<T>(groups, pairs, [&](int64_t i, auto G) {
+        constexpr int G_ = decltype(G)::value;
+        const ScoreBounds to{scale, ks ? ks + u : nullptr, maxima + i, minima + i};
+        if constexpr (kPairs<T>) {
+          if (pairs) {
+            return pair_scores<G_>(q_words + i * q_stride, q_stride, hd, k_head + s.offset,
+                                   s.stride, s.m, scores.data() + i * n + u, n, to, ahead);
           }
-          grouped_scores<decltype(G)::value>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
-                                             scores.data() + i * n + u, n, to, ahead);
-        });
-      }
+        }
+        if constexpr (G_ <= kGroupBlock) {
+          grouped_scores<G_>(q + i * hd, hd, k_head + s.offset, s.stride, s.m,
+                             scores.data() + i * n + u, n, to, ahead);
+        }
+      });
     });
     for (int64_t i = 0; i < groups; ++i) {
       float* s = scores.data() + i * n;
@@ -1037,12 +1057,10 @@ struct Attend {
     const int64_t stride = chunks * (hd + 2);  // from one query head's partial to the next
     auto value_ticks = [&](int64_t m) {  // over m rows of values, block by block
       int64_t ticks = 0;
-      for (int64_t i = 0; i < groups; i += kGroupBlock) {
-        with_group_block(groups - i, [&](auto G) {
-          constexpr int G_ = decltype(G)::value;
-          ticks += ticks_over<G_>(m) * row_value_calls<G_>(hd);
-        });
-      }
+      each_block<T>(groups, pairs, [&](int64_t, auto G) {
+        constexpr int G_ = decltype(G)::value;
+        ticks += ticks_over<G_>(m) * row_value_calls<G_>(hd);
+      });
       return ticks;
     };
     ahead.start_far(next_keys, next_elements, value_ticks(n));
@@ -1051,19 +1069,20 @@ struct Attend {
       const bool last = u + m >= n;
       ahead.start(last ? nullptr : values_start + (u + m) * hd,
                   last ? 0 : std::min(value_block, n - u - m) * hd, value_ticks(m));
-      for (int64_t i = 0; i < groups; i += kGroupBlock) {
-        with_group_block(groups - i, [&](auto G) {
-          if constexpr (kPairs<T>) {
-            if (pairs) {
-              return all_pair_values<decltype(G)::value>(p_words + i * p_stride + u, p_stride,
-                                                         values_start + u * hd, hd, m,
-                                                         out0 + i * stride, stride, ahead);
-            }
+      each_block<T>(groups, pairs, [&](int64_t i, auto G) {
+        constexpr int G_ = decltype(G)::value;
+        if constexpr (kPairs<T>) {
+          if (pairs) {
+            return all_pair_values<G_>(p_words + i * p_stride + u, p_stride,
+                                       values_start + u * hd, hd, m, out0 + i * stride, stride,
+                                       ahead);
           }
-          all_row_values<decltype(G)::value>(scores.data() + i * n + u, n, values_start + u * hd,
-                                             hd, m, out0 + i * stride, stride, ahead);
-        });
-      }
+        }
+        if constexpr (G_ <= kGroupBlock) {
+          all_row_values<G_>(scores.data() + i * n + u, n, values_start + u * hd, hd, m,
+                             out0 + i * stride, stride, ahead);
+        }
+      });
     }
   }
 
