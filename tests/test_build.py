@@ -7,6 +7,7 @@ import importlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -205,21 +206,33 @@ def test_the_vectorised_build_is_x86_avx2(machine, capability, vectorised, monke
 
 
 @pytest.mark.parametrize("has_them", [True, False])
+@pytest.mark.parametrize("takes", [True, False])
 @pytest.mark.parametrize("vectors", [None, "avx512", "avx2"])
-def test_bfloat16_products_are_built_where_the_cpu_has_them(has_them, vectors, monkeypatch):
-    """-mavx512bf16 joins the AVX-512 flags exactly where torch reports AVX512_BF16, unless
-    ATTNLAB_VECTORS=avx512 (or avx2) asks for a build without them."""
+def test_bfloat16_products_are_built_where_the_cpu_has_them(has_them, takes, vectors, monkeypatch):
+    """-mavx512bf16 joins the AVX-512 flags exactly where torch reports AVX512_BF16 and the
+    compiler takes the flag, unless ATTNLAB_VECTORS=avx512 (or avx2) asks for a build
+    without them."""
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has_them)
+    monkeypatch.setattr(_build, "compiler_takes", lambda flag, compiler: takes)
     if vectors is None:
         monkeypatch.delenv(_build.VECTORS_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(_build.VECTORS_VARIABLE, vectors)
     flags = _build.cflags(_build._wide(True))
-    assert (_build.BF16_FLAG in flags) is (has_them and vectors is None)
+    assert (_build.BF16_FLAG in flags) is (has_them and takes and vectors is None)
     assert ("-DCPU_CAPABILITY=AVX512" in flags) is (vectors != "avx2")
     assert _build.BF16_FLAG not in _build.cflags(False)
+
+
+def test_a_compiler_check_tells_a_known_flag_from_an_unknown_one_and_a_missing_compiler():
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) here")
+    assert _build.compiler_takes("-O2", compiler)
+    assert not _build.compiler_takes("-mno-such-flag-attnlab", compiler)
+    assert not _build.compiler_takes("-O2", "/nonexistent/attnlab-c++")
 
 
 def test_attnlab_vectors_avx2_keeps_the_avx2_build(fake_build, source, monkeypatch):

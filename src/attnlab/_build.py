@@ -11,6 +11,7 @@ line saying what is missing and how to turn the extensions off (ATTNLAB_NO_EXTEN
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -19,6 +20,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -51,10 +53,30 @@ BF16_FLAG = "-mavx512bf16"  # bfloat16 dot products (vdpbf16ps), where the CPU h
 
 def bfloat16_products() -> bool:
     """Whether an AVX-512 build also gets AVX512_BF16's dot products (the decode step's
-    int8 and bfloat16 caches multiply with them): where this CPU has them, unless
-    ATTNLAB_VECTORS=avx512 asks for the AVX-512 build without them (to test it)."""
+    int8 and bfloat16 caches multiply with them): where this CPU has them and the compiler
+    takes -mavx512bf16 (GCC 10 and clang 9 on), unless ATTNLAB_VECTORS=avx512 asks for the
+    AVX-512 build without them (to test it)."""
+    if os.environ.get(VECTORS_VARIABLE) == "avx512":
+        return False
     has_them = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return has_them and os.environ.get(VECTORS_VARIABLE) != "avx512"
+    return has_them and compiler_takes(BF16_FLAG, os.environ.get("CXX", "c++"))
+
+
+@functools.cache
+def compiler_takes(flag: str, compiler: str) -> bool:
+    """Whether `compiler` compiles an empty C++ file with `flag` (an older one refuses a
+    flag it does not know; the build then goes without it). False where it is missing."""
+    try:
+        run = subprocess.run(
+            [compiler, flag, "-x", "c++", "-fsyntax-only", "-"],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return run.returncode == 0
 
 
 def vector_flags(wide: bool = False) -> list[str]:
