@@ -98,9 +98,58 @@ double projection(int64_t rows, int64_t in, int64_t out, int64_t copies, int64_t
   return 2.0 * rows * in * out * rounds / seconds_since(start) / 1e9;
 }
 
+#if defined(ATTNLAB_BF16_PRODUCTS)
+// attention's loop over an int8 cache with the bfloat16 products (versions of
+// decode_step.cpp from 2026-11-27 late on, built with AVX512_BF16): the queries rounded once,
+// the weights rounded as the op rounds them, in the op's blocks of query heads
+// (Attend::each_block), with its prefetches; the keys' scales 1.
+double attention_int8(int64_t groups, int64_t keys, int64_t heads, int64_t rounds) {
+  const int64_t hd = 64, span = hd * keys;
+  std::vector<int8_t> k(heads * span), v(heads * span);
+  for (int64_t i = 0; i < heads * span; ++i) {
+    k[i] = static_cast<int8_t>(i % 7 - 3), v[i] = static_cast<int8_t>(i % 5 - 2);
+  }
+  std::vector<float> q(groups * hd, 0.05f), scores(groups * keys, 0.1f), out(groups * (hd + 2));
+  std::vector<float> key_scales(keys, 1.0f);
+  std::vector<uint16_t> q_words(groups * (hd + 1)), p_words(groups * (keys + 1));
+  for (int64_t i = 0; i < groups; ++i) to_bfloat16(q.data() + i * hd, hd, q_words.data() + i * (hd + 1));
+  for (int64_t i = 0; i < groups; ++i) {
+    to_bfloat16(scores.data() + i * keys, keys, p_words.data() + i * (keys + 1));
+  }
+  std::vector<Vec> bounds(2 * groups);
+  Prefetcher ahead;
+  int64_t score_ticks = 0, value_ticks = 0;
+  Attend::each_block<int8_t>(groups, true, [&](int64_t, auto G) {
+    constexpr int G_ = decltype(G)::value;
+    score_ticks += ticks_over<G_>(hd) * std::max<int64_t>(1, keys / (key_vectors<G_>() * Vec::size()));
+    value_ticks += ticks_over<G_>(keys) * row_value_calls<G_>(hd);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) {
+    const int8_t* k_head = k.data() + (r % heads) * span;
+    const int8_t* v_head = v.data() + (r % heads) * span;
+    ahead.start(v_head, heads > 1 ? span : 0, score_ticks);
+    Attend::each_block<int8_t>(groups, true, [&](int64_t i, auto G) {
+      const ScoreBounds to{0.125f, key_scales.data(), bounds.data() + i, bounds.data() + groups + i};
+      pair_scores<decltype(G)::value>(q_words.data() + i * (hd + 1), hd + 1, hd, k_head, keys,
+                                      keys, scores.data() + i * keys, keys, to, ahead);
+    });
+    ahead.start(k.data() + ((r + 1) % heads) * span, heads > 1 ? span : 0, value_ticks);
+    Attend::each_block<int8_t>(groups, true, [&](int64_t i, auto G) {
+      all_pair_values<decltype(G)::value>(p_words.data() + i * (keys + 1), keys + 1, v_head, hd,
+                                          keys, out.data() + i * (hd + 2), hd + 2, ahead);
+    });
+  }
+  return 4.0 * groups * hd * keys * rounds / seconds_since(start) / 1e9;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
+#if defined(ATTNLAB_BF16_PRODUCTS)
+  m.def("attention_int8", &attention_int8, py::call_guard<py::gil_scoped_release>());
+#endif
   m.def("projection", &projection, py::call_guard<py::gil_scoped_release>());
 }

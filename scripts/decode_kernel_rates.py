@@ -5,7 +5,10 @@ measured in the same run on as many threads.
 
 - attention: a group of 12 (multi-query) or 3 (grouped-query) query heads over 256 keys of
   64 features (a cache block), scores then values, with the op's prefetches. "L2": the same
-  block every round. "memory": each round the next of 4,096 heads' blocks (512 MiB).
+  block every round. "memory": each round the next of 4,096 heads' blocks (512 MiB). Where
+  the build has the bfloat16 products (AVX512_BF16), the same over an int8 cache with them
+  ("memory": 16,384 heads' blocks, 512 MiB); its GFLOP/s count the float32 work it
+  replaces, so it can pass torch.mm's rate.
 - projection: 1 or 8 tokens through (896, 768) weights (a multi-query layer's q, k and v),
   each round the next of 256 copies (704 MB; the weights' 2.75 MB alone: "L3").
 - limits: `torch.sum` over 1 GiB (the read bandwidth), a 1024^3 `torch.mm` (the matmul
@@ -78,8 +81,9 @@ def limits() -> tuple[float, float]:
     return read_bandwidth(1 << 30), matmul_rate(1024)
 
 
-def loops(rounds: int):
-    """(kernel, source, bytes per flop, call of a module) for each timed loop."""
+def loops(rounds: int, modules):
+    """(kernel, source, bytes per flop, call of a module) for each timed loop; the int8 rows
+    only where every module has the bfloat16 products (attention_int8)."""
     out = []
     for groups, name in ((12, "multi-query"), (3, "grouped-query")):
         bytes_per_flop = (2 * HEAD_DIM * KEYS * 4) / (4 * groups * HEAD_DIM * KEYS)
@@ -89,6 +93,17 @@ def loops(rounds: int):
                 return module.attention(groups, KEYS, heads, rounds)
 
             out.append((f"attention, {name} ({groups} heads)", where, bytes_per_flop, call))
+    if all(hasattr(module, "attention_int8") for module in modules):
+        for groups, name in ((12, "multi-query"), (3, "grouped-query")):
+            # an int8 key and value per feature, and a float32 scale each per key
+            bytes_per_flop = (2 * HEAD_DIM * KEYS + 2 * KEYS * 4) / (4 * groups * HEAD_DIM * KEYS)
+            for heads, where in ((1, "L2"), (16384, "memory")):
+
+                def call(module, groups=groups, heads=heads):
+                    return module.attention_int8(groups, KEYS, heads, rounds)
+
+                kernel = f"attention, {name} ({groups} heads), int8, bfloat16 products"
+                out.append((kernel, where, bytes_per_flop, call))
     for tokens in (1, 8):
         bytes_per_flop = 4 / (2 * tokens)
         for copies, where in ((1, "L3"), (256, "memory")):
@@ -141,7 +156,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     modules = [kernels()] + ([kernels(Path(args.baseline))] if args.baseline else [])
     bandwidth, matmul = limits()
-    measured = [(*row[:3], rates(modules, row[3], args.threads)) for row in loops(args.rounds)]
+    measured = [
+        (*row[:3], rates(modules, row[3], args.threads)) for row in loops(args.rounds, modules)
+    ]
     bandwidth_after, matmul_after = limits()
     bandwidth, matmul = max(bandwidth, bandwidth_after), max(matmul, matmul_after)
     table = Table(
