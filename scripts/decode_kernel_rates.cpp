@@ -98,7 +98,7 @@ double projection(int64_t rows, int64_t in, int64_t out, int64_t copies, int64_t
   return 2.0 * rows * in * out * rounds / seconds_since(start) / 1e9;
 }
 
-#if defined(ATTNLAB_BF16_PRODUCTS)
+#if defined(ATTNLAB_BF16_PRODUCTS) && defined(ATTNLAB_EACH_BLOCK)
 // attention's loop over an int8 cache with the bfloat16 products (versions of
 // decode_step.cpp from 2026-11-27 late on, built with AVX512_BF16): the queries rounded once,
 // the weights rounded as the op rounds them, in the op's blocks of query heads
@@ -148,7 +148,7 @@ double attention_int8(int64_t groups, int64_t keys, int64_t heads, int64_t round
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
-#if defined(ATTNLAB_BF16_PRODUCTS)
+#if defined(ATTNLAB_BF16_PRODUCTS) && defined(ATTNLAB_EACH_BLOCK)
   m.def("attention_int8", &attention_int8, py::call_guard<py::gil_scoped_release>());
 #endif
   m.def("projection", &projection, py::call_guard<py::gil_scoped_release>());

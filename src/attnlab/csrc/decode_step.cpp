@@ -41,10 +41,13 @@
 
 // What scripts/decode_kernel_rates.cpp reads to call this version's kernels: the values are
 // stored as rows (capacity, hd); grouped_scores takes a ScoreBounds; the prefetches tick
-// once per tick_every<G>() rows (ticks_over<G>)
+// once per tick_every<G>() rows (ticks_over<G>); Attend::each_block gives the blocks of
+// query heads of either kind of product (ATTNLAB_BF16_PRODUCTS, below, where the build has
+// the bfloat16 ones)
 #define ATTNLAB_VALUE_ROWS 1
 #define ATTNLAB_SCORE_BOUNDS 1
 #define ATTNLAB_TICK_EVERY 1
+#define ATTNLAB_EACH_BLOCK 1
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define ATTNLAB_X86 1  // x86 intrinsics: prefetches and widening loads
