@@ -684,7 +684,6 @@ void with_group_block(int64_t remaining, F&& f) {
 // the conversions and the rounding; scripts/decode_gqa.py --baseline, 1.00-1.07 of the time).
 template <typename T>
 constexpr bool kPairs = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::BFloat16>;
-constexpr bool kBfloat16Products = true;
 // Query heads per block with bfloat16 products: all 12 of a multi-query head in registers at
 // once (2 vectors of keys a step), so that each key is widened and paired once for them all;
 // the conversions, not the products, bound the blocks of 6 (decode_regions.py).
@@ -880,7 +879,6 @@ void all_pair_values(const uint16_t* p, int64_t p_stride, const T* v, int64_t hd
 #else
 template <typename T>
 constexpr bool kPairs = false;
-constexpr bool kBfloat16Products = false;
 constexpr int kPairBlock = kGroupBlock;
 // declared only, for the branches `if constexpr (kPairs<T>)` discards
 void to_bfloat16(const float* x, int64_t n, uint16_t* out);
@@ -891,6 +889,13 @@ template <int G, typename T>
 void all_pair_values(const uint16_t*, int64_t, const T*, int64_t, int64_t, float*, int64_t,
                      Prefetcher&);
 #endif
+
+// Whether `groups` query heads per key/value head over a cache of T multiply in bfloat16:
+// where the build has the products, for int8 and bfloat16, and only for several heads.
+template <typename T>
+bool takes_pairs(int64_t groups) {
+  return kPairs<T> && groups > 1;
+}
 
 struct Attend {
   const float* qkv;  // (b, d_qkv): queries (rotated) then keys then values
@@ -985,10 +990,10 @@ struct Attend {
     const int64_t q_stride = hd + 1, p_stride = n + 1;  // words per head: a zero pad each
     uint16_t* q_words = words.data();
     uint16_t* p_words = q_words + groups * q_stride;
-    const bool pairs = kPairs<T> && groups > 1;
+    const bool pairs = takes_pairs<T>(groups);
     if constexpr (kPairs<T>) {
-      for (int64_t i = 0; pairs && i < groups; ++i) {
-        to_bfloat16(q + i * hd, hd, q_words + i * q_stride);
+      if (pairs) {
+        for (int64_t i = 0; i < groups; ++i) to_bfloat16(q + i * hd, hd, q_words + i * q_stride);
       }
     }
     // The group's scores one small matrix product, each key read once for a block of up to
@@ -1140,7 +1145,7 @@ void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::T
     std::vector<float> scores(groups * a.chunk);
     std::vector<Vec> bounds(2 * groups);  // per query head: the largest and least scores
     // bfloat16 queries and weights, each head's with a zero pad (Attend::item)
-    std::vector<uint16_t> words(kPairs<T> && groups > 1 ? groups * (a.hd + 1 + a.chunk + 1) : 0);
+    std::vector<uint16_t> words(takes_pairs<T>(groups) ? groups * (a.hd + 1 + a.chunk + 1) : 0);
     for (int64_t index = begin; index < end; ++index) {
       a.item<T>(index, keys, values, ks, vs, stored_by_items ? slot : -1,
                 index + 1 < end ? index + 1 : -1, index == begin, scores, bounds, words);
@@ -1526,7 +1531,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("position"), py::arg("slot"), py::arg("first"), py::arg("count"),
         py::arg("block"), py::arg("scale"), py::arg("norm_eps"), py::arg("norm_offset"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("bfloat16_products", [] { return kBfloat16Products; },
+  m.def("bfloat16_products", [] { return kPairs<int8_t>; },
         "Whether an int8 or bfloat16 cache read by several query heads per key/value head "
         "multiplies in bfloat16 (AVX512_BF16), else float32");
   bind_plan(m);
