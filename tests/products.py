@@ -8,7 +8,7 @@ import torch
 
 from attnlab import decode_cpu
 
-PRODUCTS = decode_cpu.available() and decode_cpu.bfloat16_products()
+PRODUCTS = decode_cpu.bfloat16_products()
 # against a float32-product path (the Python path, another layout): each query and softmax
 # weight rounded by up to 2^-9 of itself; measured differences up to 2.3e-3 on the tests'
 # small random layers

@@ -527,6 +527,13 @@ def test_quantize_rounds_half_to_even_and_clamps():
     assert q.tolist() == [[[[127, 0, 2, -2]]]]
 
 
+def test_without_the_step_there_are_no_bfloat16_products(monkeypatch):
+    """bfloat16_products answers False where the native step is unavailable (rather than
+    reaching for a binding that was never loaded)."""
+    monkeypatch.setattr(decode_cpu, "available", lambda: False)
+    assert decode_cpu.bfloat16_products() is False
+
+
 def _other_builds() -> list[str]:
     """The ATTNLAB_VECTORS values that build another decode step on this CPU than its own:
     avx2 on an AVX-512 CPU, avx512 (without bfloat16 products) on one with them."""

@@ -65,9 +65,9 @@ def available() -> bool:
 def bfloat16_products() -> bool:
     """Whether this build's step multiplies an int8 or bfloat16 cache in bfloat16 where a
     key/value head serves several query heads (AVX512_BF16: the queries and the softmax
-    weights rounded to bfloat16, the sums float32); else it multiplies in float32. The
-    extension must be available."""
-    return binding().bfloat16_products()
+    weights rounded to bfloat16, the sums float32); else, or where the step is unavailable
+    (built on the first call, as `available`), it multiplies in float32."""
+    return available() and binding().bfloat16_products()
 
 
 def reads(dtype: torch.dtype, device: torch.device) -> bool:
