@@ -1118,6 +1118,17 @@ struct Attend {
   }
 };
 
+// Keys per attention work item: enough items for every thread twice over, each of at least
+// kMinChunk keys; with several query heads per key/value head (their sums in registers), at
+// most kMaxGroupedChunk, so that the scores of all of them stay in L1 for the values' pass.
+int64_t chunk_keys(int64_t batch, int64_t heads, int64_t kv_heads, int64_t count,
+                   int64_t threads) {
+  const int64_t heads_total = batch * kv_heads;
+  const int64_t parts = std::max<int64_t>(1, (2 * threads + heads_total - 1) / heads_total);
+  const int64_t chunk = std::max(kMinChunk, (count + parts - 1) / parts);
+  return heads > kv_heads ? std::min(chunk, kMaxGroupedChunk) : chunk;
+}
+
 template <typename T>
 void append_and_attend(const Attend& a, int64_t batch, at::Tensor& keys_t, at::Tensor& values_t,
                        at::Tensor& key_scales, at::Tensor& value_scales, int64_t slot,
@@ -1399,14 +1410,7 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   // one scratch buffer for the projected token, the chunks' partial sums and the heads'
   // outputs (one allocation: a tiny layer's step is a few microseconds, each costs ~0.2)
   auto out = at::empty({batch, 1, width}, x.options());  // (b, 1, width), as the module's
-  // enough work items for every thread twice over, each of at least kMinChunk keys; with
-  // several query heads per key/value head (their sums in registers), at most
-  // kMaxGroupedChunk, so that the scores of all of them stay in L1 for the values' pass
-  const int64_t heads_total = batch * kv_heads, threads = at::get_num_threads();
-  const int64_t parts = std::max<int64_t>(1, (2 * threads + heads_total - 1) / heads_total);
-  int64_t chunk = std::max(kMinChunk, (count + parts - 1) / parts);
-  const int64_t groups = heads / kv_heads;
-  if (groups > 1) chunk = std::min(chunk, kMaxGroupedChunk);
+  const int64_t chunk = chunk_keys(batch, heads, kv_heads, count, at::get_num_threads());
   const int64_t chunks = (count + chunk - 1) / chunk;
   const int64_t qkv_floats = batch * d_qkv, partial_floats = batch * heads * chunks * (hd + 2);
   auto scratch = at::empty({qkv_floats + partial_floats + batch * d_out}, x.options());

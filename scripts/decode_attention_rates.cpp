@@ -1,0 +1,177 @@
+// Timing loops over the native decode step's attention as the op runs it, and over the read
+// patterns it is measured against (scripts/decode_attention_rates.py appends this file to a
+// copy of src/attnlab/csrc/decode_step.cpp, whose anonymous namespace it reaches).
+#include <chrono>
+#include <thread>
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The op's Attend over one layer's float32 cache (keys_t, values_t: (b, hkv, hd * capacity)
+// as KVCache lays them out for the native step, in blocks of `block` tokens) for the queries
+// in qkv (b, d_qkv: queries, keys, values), attending to tokens [0, count) and storing the
+// token's key and value in slot `count`; partial must hold (b, heads, chunks, hd + 2).
+Attend attend_of(const at::Tensor& qkv, const at::Tensor& keys_t, int64_t heads, int64_t count,
+                 int64_t block, at::Tensor& partial) {
+  const int64_t batch = qkv.size(0), kv_heads = keys_t.size(1);
+  const int64_t d_qkv = qkv.size(1), hd = d_qkv / (heads + 2 * kv_heads);
+  const int64_t cap = keys_t.size(2) / hd;
+  TORCH_CHECK(cap > count, "the cache must hold a slot past the tokens attended to");
+  const int64_t chunk = chunk_keys(batch, heads, kv_heads, count, at::get_num_threads());
+  const int64_t chunks = (count + chunk - 1) / chunk;
+  partial = at::empty({batch * heads * chunks * (hd + 2)});
+  return Attend{qkv.data_ptr<float>(), d_qkv, heads, kv_heads, hd, cap, block, 0, count,
+                chunk, chunks, 1.0f / std::sqrt(static_cast<float>(hd)),
+                partial.data_ptr<float>()};
+}
+
+// The heads' outputs (b, heads * hd) of one call over layer 0's cache.
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_t, at::Tensor values_t,
+                  int64_t heads, int64_t count, int64_t block) {
+  at::Tensor partial, keys = keys_t, none = at::empty({0});
+  const Attend a = attend_of(qkv, keys_t, heads, count, block, partial);
+  at::Tensor out = at::empty({qkv.size(0), heads * a.hd});
+  append_and_attend<float>(a, qkv.size(0), keys, values_t, none, none, count,
+                           out.data_ptr<float>());
+  return out;
+}
+
+// GFLOP per second of `rounds` calls per layer, the layers' caches taken in turn (one
+// decoding step's attention per round, as the stack runs it).
+double attention(const at::Tensor& qkv, std::vector<at::Tensor> keys,
+                 std::vector<at::Tensor> values, int64_t heads, int64_t count, int64_t block,
+                 int64_t rounds) {
+  at::Tensor partial, none = at::empty({0});
+  const Attend a = attend_of(qkv, keys[0], heads, count, block, partial);
+  at::Tensor out = at::empty({qkv.size(0), heads * a.hd});
+  auto step = [&] {
+    for (size_t l = 0; l < keys.size(); ++l) {
+      append_and_attend<float>(a, qkv.size(0), keys[l], values[l], none, none, count,
+                               out.data_ptr<float>());
+    }
+  };
+  step();  // warm-up
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) step();
+  const double flops = 4.0 * heads * a.hd * count * qkv.size(0) * keys.size() * rounds;
+  return flops / seconds_since(start) / 1e9;
+}
+
+// A multi-query tile's arithmetic on one row of 64 float32 (256 bytes, 4 lines): 6 query
+// heads' multiply-adds with its 4 vectors (the op's blocks of 6 heads, 24 sums in registers).
+inline void six_heads(const float* row, __m512* sums, const float* q) {
+  const __m512 x0 = _mm512_loadu_ps(row), x1 = _mm512_loadu_ps(row + 16);
+  const __m512 x2 = _mm512_loadu_ps(row + 32), x3 = _mm512_loadu_ps(row + 48);
+  ATTNLAB_UNROLL
+  for (int i = 0; i < 6; ++i) {
+    const __m512 b = _mm512_set1_ps(q[i]);
+    sums[4 * i] = _mm512_fmadd_ps(b, x0, sums[4 * i]);
+    sums[4 * i + 1] = _mm512_fmadd_ps(b, x1, sums[4 * i + 1]);
+    sums[4 * i + 2] = _mm512_fmadd_ps(b, x2, sums[4 * i + 2]);
+    sums[4 * i + 3] = _mm512_fmadd_ps(b, x3, sums[4 * i + 3]);
+  }
+}
+
+constexpr int64_t kTileRows = 64;  // a tile: 64 rows, 16 KiB (a multi-query key block of 64)
+
+// The lines of `next` (a tile) prefetched 2 per row visited: a tile's two passes visit 128
+// rows, so the next tile is fetched once over both.
+inline void two_lines(const char* next, int64_t& line) {
+  _mm_prefetch(next + line * 64, _MM_HINT_T1);
+  _mm_prefetch(next + line * 64 + 64, _MM_HINT_T1);
+  line += 2;
+}
+
+// Reads `bytes` at buf with 12 query heads' multiply-adds per row (6 FLOP per byte, as
+// multi-query attention over a float32 cache does), in one of these patterns:
+// 0: one stream, each row's 12 heads at once (the second 6 from L1), no prefetch;
+// 1: tiles, two passes of 6 heads over each (the second from L1), no prefetch;
+// 2: tiles, two passes, the next tile prefetched over both;
+// 3: as 2, in work items: 8 tiles from the first half of the buffer (keys), then 8 from the
+//    second (values), the next tile in that order prefetched;
+// 4: as 3, the next tile prefetched in the first pass alone, 16 lines per 4 rows;
+// 5: blocks of 256 rows of 256 bytes (64 KiB) read as the op reads a block of 256 keys: in
+//    4 strips of 64 rows 1 KiB apart, each strip's 256 bytes of a row, two passes per strip,
+//    the next block prefetched over the block's 512 row visits.
+// Returns bytes per second.
+double pattern_rate(int pattern, const float* buf, int64_t bytes) {
+  __m512 sums[24];
+  for (auto& s : sums) s = _mm512_setzero_ps();
+  float q[12];
+  for (int i = 0; i < 12; ++i) q[i] = 0.001f * static_cast<float>(i);
+  const int64_t rows = bytes / 256, half = rows / 2, tiles = rows / kTileRows;
+  const char* base = reinterpret_cast<const char*>(buf);
+  auto item_tile = [&](int64_t k) {  // patterns 3, 4: tile k's first row in item order
+    const int64_t item = k / 16, j = k % 16;
+    return j < 8 ? item * 512 + j * kTileRows : half + item * 512 + (j - 8) * kTileRows;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  if (pattern == 5) {
+    for (int64_t b0 = 0; b0 + 256 <= rows; b0 += 256) {
+      const char* next = base + (b0 + 256 < rows ? b0 + 256 : 0) * 256;
+      int64_t line = 0;
+      for (int64_t strip = 0; strip < 4; ++strip) {
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int64_t r = 0; r < 64; ++r) {
+            two_lines(next, line);
+            six_heads(buf + (b0 + r * 4 + strip) * 64, sums, q + 6 * pass);
+          }
+        }
+      }
+    }
+  } else if (pattern == 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      six_heads(buf + r * 64, sums, q);
+      six_heads(buf + r * 64, sums, q + 6);
+    }
+  } else {
+    for (int64_t k = 0; k < tiles; ++k) {
+      const int64_t r0 = pattern >= 3 ? item_tile(k) : k * kTileRows;
+      const int64_t after = k + 1 < tiles ? (pattern >= 3 ? item_tile(k + 1) : r0 + kTileRows) : 0;
+      const char* next = base + after * 256;
+      int64_t line = 0;
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t r = r0; r < r0 + kTileRows; ++r) {
+          if (pattern == 2 || pattern == 3) two_lines(next, line);
+          if (pattern == 4 && r % 4 == 0 && line < 256) {
+            for (int z = 0; z < 16; ++z) _mm_prefetch(next + (line + z) * 64, _MM_HINT_T1);
+            line += 16;
+          }
+          six_heads(buf + r * 64, sums, q + 6 * pass);
+        }
+      }
+    }
+  }
+  const double seconds = seconds_since(start);
+  volatile float sink = 0;
+  for (auto& s : sums) sink = sink + _mm512_reduce_add_ps(s);
+  return static_cast<double>(rows * 256) / seconds;
+}
+
+// The sum of `threads` concurrent pattern_rate runs' bytes per second, each over its own
+// buffer of `bytes`.
+double patterns(int64_t pattern, int64_t threads, int64_t bytes) {
+  std::vector<std::vector<float>> buffers(threads, std::vector<float>(bytes / 4, 0.5f));
+  std::vector<double> rates(threads);
+  std::vector<std::thread> workers;
+  for (int64_t t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      rates[t] = pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
+    });
+  }
+  for (auto& worker : workers) worker.join();
+  double total = 0;
+  for (double rate : rates) total += rate;
+  return total;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend);
+  m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
+  m.def("patterns", &patterns, py::call_guard<py::gil_scoped_release>());
+}

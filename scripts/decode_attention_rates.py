@@ -1,0 +1,180 @@
+"""The native decode step's attention alone, as the op runs it (issue 39): its parallel
+region over a 12-layer stack's float32 caches (`append_and_attend`, the op's own work items,
+prefetches, softmax and merge), without the projections, timed in C++ on N threads; and
+the read patterns it is measured against, with the same arithmetic.
+
+- attention: per row (key/value heads, batch, context), one call per layer per round over
+  each layer's cache, laid out by KVCache as the op reads it (keys in blocks of
+  kv_cache.BLOCK_TOKENS, values as rows). Its GFLOP/s and the cache's GB/s sit beside
+  `torch.sum`'s and `torch.mm`'s on the same threads. Before timing, one call's heads'
+  outputs are checked against float64 attention over the same cache (a wrong harness
+  stops the script). It reproduces the attention region of scripts/decode_regions.py
+  without the rest of the stack, in a minute.
+- `--patterns`: reads of 512 MiB per thread with multi-query attention's arithmetic over a
+  float32 cache (12 query heads' multiply-adds per row of 64 floats: 6 FLOP per byte, in
+  blocks of 6 heads as the op does them), in the patterns named in the table: how many
+  bytes per second this machine's cores pull while they compute that way.
+
+`--baseline BEFORE.cpp` builds another decode_step.cpp the same way (one that defines
+`chunk_keys` and `append_and_attend` as this one does, from 2026-11-27 night on) and times
+it in turn with this one, in one process, best of three each.
+
+Usage: python scripts/decode_attention_rates.py [--threads N] [--rounds N] [--layers N]
+    [--rows kv:batch:context,...] [--block-tokens N] [--baseline BEFORE.cpp] [--patterns]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from attnlab import _build, decode_cpu
+from attnlab.bench.decode_stack import matmul_rate, read_bandwidth
+from attnlab.kv_cache import BLOCK_TOKENS, KVCache
+
+HEAD_DIM, HEADS = 64, 12
+HERE = Path(__file__).resolve().parent
+SOURCE = Path(decode_cpu.__file__).with_name("csrc") / "decode_step.cpp"
+ROWS = "1:8:1024,1:8:4096,4:8:4096,12:1:4096"
+PATTERNS = (
+    "one stream, a row's 12 heads at once, no prefetch",
+    "tiles of 16 KiB, two passes of 6 heads, no prefetch",
+    "tiles, two passes, the next tile prefetched over both",
+    "items of 8 key tiles then 8 value tiles, the next tile prefetched over both passes",
+    "items, the next tile prefetched in the first pass alone, 16 lines per 4 rows",
+    "blocks of 64 KiB in 4 strips of 64 rows 1 KiB apart (the op's keys), the next block "
+    "prefetched over both passes",
+)
+
+
+def text_of(source: Path, name: str) -> str:
+    """`source` (a decode_step.cpp, without its bindings) and decode_attention_rates.cpp as
+    one translation unit, its op library renamed `name` so that it loads beside attnlab's."""
+    op_text = source.read_text()
+    op_text = op_text[: op_text.index('#include "decode_plan.h"')]  # the bindings follow
+    text = op_text + (HERE / "decode_attention_rates.cpp").read_text()
+    return text.replace("TORCH_LIBRARY(attnlab_decode,", f"TORCH_LIBRARY({name},")
+
+
+def build(source: Path = SOURCE):
+    """The extension of text_of(source), built once per text."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(text_of(source, "x").encode()).hexdigest()[:12]
+    name = f"attnlab_attention_rates_{digest}"
+    text = text_of(source, name)
+    path = Path(tempfile.gettempdir()) / f"{name}.cpp"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return cpp_extension.load(
+        name,
+        [str(path)],
+        extra_cflags=_build.cflags(decode_cpu._WIDE),
+        extra_ldflags=list(_build.LDFLAGS),
+        extra_include_paths=[str(SOURCE.parent)],
+    )
+
+
+def layer_caches(kv: int, batch: int, context: int, layers: int, block: int):
+    """(qkv (b, d_qkv), [KVCache] per layer): `context` random tokens held by each layer's
+    float32 cache, with one free slot past them, laid out for the native step."""
+    torch.manual_seed(0)
+    qkv = torch.randn(batch, (HEADS + 2 * kv) * HEAD_DIM)  # (b, queries | keys | values)
+    caches = []
+    for _ in range(layers):
+        cache = KVCache(batch, context + 1, kv, HEAD_DIM, block_tokens=block, tokens_last=True)
+        shape = (batch, kv, context, HEAD_DIM)  # (b, hkv, t, hd)
+        cache.update(torch.randn(shape), torch.randn(shape))
+        caches.append(cache)
+    return qkv, caches
+
+
+def reference(qkv: torch.Tensor, cache: KVCache, kv: int) -> torch.Tensor:
+    """float64 attention of qkv's queries over the cache's tokens: (b, heads * hd)."""
+    batch, held = qkv.shape[0], cache.num_tokens
+    q = qkv[:, : HEADS * HEAD_DIM].double().view(batch, HEADS, 1, HEAD_DIM)  # (b, h, 1, hd)
+    keys = cache.keys[:, :, :held].double().repeat_interleave(HEADS // kv, dim=1)
+    values = cache.values[:, :, :held].double().repeat_interleave(HEADS // kv, dim=1)
+    weights = torch.softmax(q @ keys.transpose(-2, -1) / math.sqrt(HEAD_DIM), dim=-1)
+    return (weights @ values).reshape(batch, HEADS * HEAD_DIM)  # (b, h * hd)
+
+
+def check(module, kv: int, block: int) -> None:
+    """Stops the script unless one call's outputs are float64 attention's, to 1e-4."""
+    qkv, (cache,) = layer_caches(kv, 3, 700, 1, block)
+    out = module.attend(qkv, cache.keys_t, cache.values_t, HEADS, cache.num_tokens, block)
+    error = (out.double() - reference(qkv, cache, kv)).abs().max().item()
+    if not error < 1e-4:
+        raise SystemExit(f"the harness's attention is {error:.2e} off float64 attention")
+
+
+def cache_bytes(kv: int, batch: int, context: int) -> int:
+    """Bytes of keys and values one layer's attention reads."""
+    return 2 * batch * kv * context * HEAD_DIM * 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10, help="steps timed, best of 3")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--rows", default=ROWS, help="kv:batch:context,...")
+    parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    parser.add_argument("--baseline", help="another decode_step.cpp, timed in turn")
+    parser.add_argument("--patterns", action="store_true", help="also time the read patterns")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    modules = [build()] + ([build(Path(args.baseline))] if args.baseline else [])
+    for module in modules:
+        for kv in (1, 4):
+            check(module, kv, args.block_tokens)
+    bandwidth, matmul = read_bandwidth(1 << 30), matmul_rate()
+    table = Table(
+        title=f"attention alone, float32 cache, {args.layers} layers, {args.threads} "
+        f"thread(s); torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm {matmul / 1e9:.0f} GFLOP/s"
+    )
+    columns = ["kv", "batch", "context", "GFLOP/s", "GB/s", "x limit"]
+    columns += ["baseline GFLOP/s", "this/baseline time"] if args.baseline else []
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in args.rows.split(","):
+        kv, batch, context = (int(part) for part in row.split(":"))
+        qkv, caches = layer_caches(kv, batch, context, args.layers, args.block_tokens)
+        keys, values = [c.keys_t for c in caches], [c.values_t for c in caches]
+        best = [0.0] * len(modules)
+        for _ in range(3):
+            for i, module in enumerate(modules):
+                rate = module.attention(
+                    qkv, keys, values, HEADS, context, args.block_tokens, args.rounds
+                )
+                best[i] = max(best[i], rate)
+        bytes_per_flop = cache_bytes(kv, batch, context) / (4 * HEADS * HEAD_DIM * context * batch)
+        limit = min(bandwidth / 1e9 / bytes_per_flop, matmul / 1e9)  # GFLOP/s at the floor
+        cells = [kv, batch, context, f"{best[0]:.1f}", f"{best[0] * bytes_per_flop:.1f}"]
+        cells += [f"{limit / best[0]:.2f}"]
+        cells += [f"{best[1]:.1f}", f"{best[1] / best[0]:.2f}"] if args.baseline else []
+        table.add_row(*(str(cell) for cell in cells))
+    console = Console(width=140)
+    console.print(table)
+    if args.patterns:
+        patterns = Table(
+            title=f"512 MiB per thread, {args.threads} thread(s), with multi-query "
+            "arithmetic (6 FLOP per byte), best of 3"
+        )
+        for column in ("pattern", "GB/s", "GFLOP/s"):
+            patterns.add_column(column, justify="left" if column == "pattern" else "right")
+        for index, name in enumerate(PATTERNS):
+            rate = max(modules[0].patterns(index, args.threads, 1 << 29) for _ in range(3))
+            patterns.add_row(name, f"{rate / 1e9:.1f}", f"{rate * 6 / 1e9:.0f}")
+        console.print(patterns)
+
+
+if __name__ == "__main__":
+    main()
