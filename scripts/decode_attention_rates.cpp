@@ -95,7 +95,12 @@ inline void two_lines(const char* next, int64_t& line) {
 // 4: as 3, the next tile prefetched in the first pass alone, 16 lines per 4 rows;
 // 5: blocks of 256 rows of 256 bytes (64 KiB) read as the op reads a block of 256 keys: in
 //    4 strips of 64 rows 1 KiB apart, each strip's 256 bytes of a row, two passes per strip,
-//    the next block prefetched over the block's 512 row visits.
+//    the next block prefetched over the block's 512 row visits;
+// 6: the op's work item (Attend::item) without its softmax: 512 keys in 2 blocks of 256 as 5
+//    reads them, but each block of 6 heads over the whole block (the second from L2), the
+//    next block prefetched over both blocks of heads and the values' first block over the
+//    whole of the keys; then 512 value rows in 2 blocks of 256, each block of heads over
+//    the whole block, the next block, and over all of them the next item's keys.
 // Returns bytes per second.
 double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   __m512 sums[24];
@@ -109,7 +114,45 @@ double pattern_rate(int pattern, const float* buf, int64_t bytes) {
     return j < 8 ? item * 512 + j * kTileRows : half + item * 512 + (j - 8) * kTileRows;
   };
   const auto start = std::chrono::steady_clock::now();
-  if (pattern == 5) {
+  if (pattern == 6) {
+    // per item: keys at item * 512 (rows of 256 bytes: 2 blocks of 256), values at half + ...
+    auto stream_start = [](PrefetchStream& p, const char* first, int64_t lines, int64_t ticks) {
+      p.begin = first, p.lines = lines, p.done = 0, p.per_tick = (lines + ticks - 1) / ticks;
+    };
+    PrefetchStream near, far;
+    auto tick = [&] { near.tick(), far.tick(); };
+    const int64_t items = half / 512;
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t k0 = item * 512, v0 = half + item * 512;
+      const int64_t next_k0 = item + 1 < items ? k0 + 512 : 0;
+      stream_start(far, base + v0 * 256, 1024, 2 * 2 * 4 * 16);  // values' first block
+      for (int64_t blk = 0; blk < 2; ++blk) {
+        const int64_t b0 = k0 + blk * 256;
+        stream_start(near, blk == 0 ? base + (b0 + 256) * 256 : nullptr, blk == 0 ? 1024 : 0,
+                     2 * 4 * 16);
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int64_t strip = 0; strip < 4; ++strip) {
+            for (int64_t r = 0; r < 64; ++r) {
+              if (r % 4 == 0) tick();
+              six_heads(buf + (b0 + r * 4 + strip) * 64, sums, q + 6 * pass);
+            }
+          }
+        }
+      }
+      stream_start(far, base + next_k0 * 256, 1024, 2 * 2 * 64);  // the next item's keys
+      for (int64_t blk = 0; blk < 2; ++blk) {
+        const int64_t b0 = v0 + blk * 256;
+        stream_start(near, blk == 0 ? base + (b0 + 256) * 256 : nullptr, blk == 0 ? 1024 : 0,
+                     2 * 64);
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int64_t r = 0; r < 256; ++r) {
+            if (r % 4 == 0) tick();
+            six_heads(buf + (b0 + r) * 64, sums, q + 6 * pass);
+          }
+        }
+      }
+    }
+  } else if (pattern == 5) {
     for (int64_t b0 = 0; b0 + 256 <= rows; b0 += 256) {
       const char* next = base + (b0 + 256 < rows ? b0 + 256 : 0) * 256;
       int64_t line = 0;

@@ -51,6 +51,8 @@ PATTERNS = (
     "items, the next tile prefetched in the first pass alone, 16 lines per 4 rows",
     "blocks of 64 KiB in 4 strips of 64 rows 1 KiB apart (the op's keys), the next block "
     "prefetched over both passes",
+    "the op's work item without its softmax: each block of 6 heads over a whole 64 KiB "
+    "block, the op's two prefetch streams",
 )
 
 
