@@ -100,7 +100,8 @@ inline void two_lines(const char* next, int64_t& line) {
 //    reads them, but each block of 6 heads over the whole block (the second from L2), the
 //    next block prefetched over both blocks of heads and the values' first block over the
 //    whole of the keys; then 512 value rows in 2 blocks of 256, each block of heads over
-//    the whole block, the next block, and over all of them the next item's keys.
+//    the whole block, the next block, and over all of them the next item's keys;
+// 7: 6 with the op's kernels (op_kernels_rate); 8: 7 on the op's threads (at::parallel_for).
 // Returns bytes per second.
 double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   __m512 sums[24];
@@ -194,15 +195,65 @@ double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   return static_cast<double>(rows * 256) / seconds;
 }
 
+// Pattern 6 with the op's own kernels and prefetcher (grouped_scores, all_row_values,
+// Prefetcher), as Attend::item calls them for 12 query heads over 512 keys of 64 features in
+// 2 blocks of 256, without the softmax between them: bytes per second.
+double op_kernels_rate(const float* buf, int64_t bytes) {
+  constexpr int64_t hd = 64, keys = 512, block = 256, heads = 12, stride = 8 * (hd + 2);
+  constexpr int64_t block_floats = block * hd;
+  constexpr int64_t score_ticks = 2 * 4 * 16;  // per block: 2 blocks of heads, 4 steps, 16 each
+  constexpr int64_t value_ticks = 2 * 64;      // per block: 2 blocks of heads, 256 rows / 4
+  const int64_t rows = bytes / 256, half = rows / 2, items = half / keys;
+  std::vector<float> q(heads * hd, 0.01f), scores(heads * keys), out(heads * stride);
+  std::vector<Vec> bounds(2 * heads, Vec(0.0f));
+  const float* none = nullptr;
+  Prefetcher ahead;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t item = 0; item < items; ++item) {
+    const float* k0 = buf + item * keys * hd;
+    const float* v0 = buf + (half + item * keys) * hd;
+    const float* next_keys = buf + (item + 1 < items ? (item + 1) * keys : 0) * hd;
+    ahead.start_far(v0, block_floats, 2 * score_ticks);  // the values' first block
+    for (int64_t b = 0; b < keys / block; ++b) {
+      const float* k = k0 + b * block_floats;
+      ahead.start(b == 0 ? k + block_floats : none, b == 0 ? block_floats : 0, score_ticks);
+      for (int64_t i = 0; i < heads; i += 6) {
+        const ScoreBounds to{0.125f, nullptr, bounds.data() + i, bounds.data() + heads + i};
+        grouped_scores<6>(q.data() + i * hd, hd, k, block, block,
+                          scores.data() + i * keys + b * block, keys, to, ahead);
+      }
+    }
+    ahead.start_far(next_keys, block_floats, 2 * value_ticks);
+    for (int64_t b = 0; b < keys / block; ++b) {
+      const float* v = v0 + b * block_floats;
+      ahead.start(b == 0 ? v + block_floats : none, b == 0 ? block_floats : 0, value_ticks);
+      for (int64_t i = 0; i < heads; i += 6) {
+        all_row_values<6>(scores.data() + i * keys + b * block, keys, v, hd, block,
+                          out.data() + i * stride, stride, ahead);
+      }
+    }
+  }
+  return static_cast<double>(rows * 256) / seconds_since(start);
+}
+
 // The sum of `threads` concurrent pattern_rate runs' bytes per second, each over its own
 // buffer of `bytes`.
 double patterns(int64_t pattern, int64_t threads, int64_t bytes) {
   std::vector<std::vector<float>> buffers(threads, std::vector<float>(bytes / 4, 0.5f));
   std::vector<double> rates(threads);
   std::vector<std::thread> workers;
+  if (pattern == 8) {  // pattern 7 on the op's threads (at::parallel_for)
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) rates[t] = op_kernels_rate(buffers[t].data(), bytes);
+    });
+    double total = 0;
+    for (double rate : rates) total += rate;
+    return total;
+  }
   for (int64_t t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
-      rates[t] = pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
+      rates[t] = pattern == 7 ? op_kernels_rate(buffers[t].data(), bytes)
+                              : pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
     });
   }
   for (auto& worker : workers) worker.join();

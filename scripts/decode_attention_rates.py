@@ -53,6 +53,8 @@ PATTERNS = (
     "prefetched over both passes",
     "the op's work item without its softmax: each block of 6 heads over a whole 64 KiB "
     "block, the op's two prefetch streams",
+    "the same with the op's kernels",
+    "the same on the op's threads (at::parallel_for)",
 )
 
 
