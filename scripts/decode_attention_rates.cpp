@@ -60,6 +60,42 @@ double attention(const at::Tensor& qkv, std::vector<at::Tensor> keys,
   return flops / seconds_since(start) / 1e9;
 }
 
+// As attention, without the parallel regions and the merge: the layers' work items walked on
+// `threads` std::threads, each its share of every layer's items in turn (as at::parallel_for
+// splits them), with Attend::item's prefetches, softmax and set-up.
+double attention_items(const at::Tensor& qkv, std::vector<at::Tensor> keys,
+                       std::vector<at::Tensor> values, int64_t heads, int64_t count,
+                       int64_t block, int64_t rounds, int64_t threads) {
+  at::Tensor partial;
+  const Attend a = attend_of(qkv, keys[0], heads, count, block, partial);
+  const int64_t items = qkv.size(0) * a.kv_heads * a.chunks, groups = heads / a.kv_heads;
+  auto share = [&](int64_t t) {
+    std::vector<float> scores(groups * a.chunk);
+    std::vector<Vec> bounds(2 * groups);
+    std::vector<uint16_t> words;  // float32 caches take no bfloat16 products
+    const int64_t begin = t * items / threads, end = (t + 1) * items / threads;
+    for (size_t l = 0; l < keys.size(); ++l) {
+      float* k = keys[l].data_ptr<float>();
+      float* v = values[l].data_ptr<float>();
+      for (int64_t i = begin; i < end; ++i) {
+        a.item<float>(i, k, v, nullptr, nullptr, -1, i + 1 < end ? i + 1 : -1, i == begin,
+                      scores, bounds, words);
+      }
+    }
+  };
+  auto step = [&] {
+    std::vector<std::thread> workers;
+    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(share, t);
+    share(0);
+    for (auto& worker : workers) worker.join();
+  };
+  step();  // warm-up
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) step();
+  const double flops = 4.0 * heads * a.hd * count * qkv.size(0) * keys.size() * rounds;
+  return flops / seconds_since(start) / 1e9;
+}
+
 // A multi-query tile's arithmetic on one row of 64 float32 (256 bytes, 4 lines): 6 query
 // heads' multiply-adds with its 4 vectors (the op's blocks of 6 heads, 24 sums in registers).
 inline void six_heads(const float* row, __m512* sums, const float* q) {
@@ -267,5 +303,6 @@ double patterns(int64_t pattern, int64_t threads, int64_t bytes) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
   m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
+  m.def("attention_items", &attention_items, py::call_guard<py::gil_scoped_release>());
   m.def("patterns", &patterns, py::call_guard<py::gil_scoped_release>());
 }

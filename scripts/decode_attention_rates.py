@@ -9,7 +9,9 @@ the read patterns it is measured against, with the same arithmetic.
   `torch.sum`'s and `torch.mm`'s on the same threads. Before timing, one call's heads'
   outputs are checked against float64 attention over the same cache (a wrong harness
   stops the script). It reproduces the attention region of scripts/decode_regions.py
-  without the rest of the stack, in a minute.
+  without the rest of the stack, in a minute. Beside it, "items alone": the same work items
+  walked on as many std::threads, each its share of every layer's items in turn, without the
+  parallel regions and the heads' merge.
 - `--patterns`: reads of 512 MiB per thread with multi-query attention's arithmetic over a
   float32 cache (12 query heads' multiply-adds per row of 64 floats: 6 FLOP per byte, in
   blocks of 6 heads as the op does them), in the patterns named in the table: how many
@@ -144,7 +146,7 @@ def main() -> None:
         title=f"attention alone, float32 cache, {args.layers} layers, {args.threads} "
         f"thread(s); torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm {matmul / 1e9:.0f} GFLOP/s"
     )
-    columns = ["kv", "batch", "context", "GFLOP/s", "GB/s", "x limit"]
+    columns = ["kv", "batch", "context", "GFLOP/s", "GB/s", "x limit", "items alone GB/s"]
     columns += ["baseline GFLOP/s", "this/baseline time"] if args.baseline else []
     for column in columns:
         table.add_column(column, justify="right")
@@ -153,16 +155,23 @@ def main() -> None:
         qkv, caches = layer_caches(kv, batch, context, args.layers, args.block_tokens)
         keys, values = [c.keys_t for c in caches], [c.values_t for c in caches]
         best = [0.0] * len(modules)
+        items_alone = 0.0
         for _ in range(3):
             for i, module in enumerate(modules):
                 rate = module.attention(
                     qkv, keys, values, HEADS, context, args.block_tokens, args.rounds
                 )
                 best[i] = max(best[i], rate)
+            items_alone = max(
+                items_alone,
+                modules[0].attention_items(
+                    qkv, keys, values, HEADS, context, args.block_tokens, args.rounds, args.threads
+                ),
+            )
         bytes_per_flop = cache_bytes(kv, batch, context) / (4 * HEADS * HEAD_DIM * context * batch)
         limit = min(bandwidth / 1e9 / bytes_per_flop, matmul / 1e9)  # GFLOP/s at the floor
         cells = [kv, batch, context, f"{best[0]:.1f}", f"{best[0] * bytes_per_flop:.1f}"]
-        cells += [f"{limit / best[0]:.2f}"]
+        cells += [f"{limit / best[0]:.2f}", f"{items_alone * bytes_per_flop:.1f}"]
         cells += [f"{best[1]:.1f}", f"{best[1] / best[0]:.2f}"] if args.baseline else []
         table.add_row(*(str(cell) for cell in cells))
     console = Console(width=140)
