@@ -231,24 +231,23 @@ double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   return static_cast<double>(rows * 256) / seconds;
 }
 
-// Pattern 6 with the op's own kernels and prefetcher (grouped_scores, all_row_values,
-// Prefetcher), as Attend::item calls them for 12 query heads over 512 keys of 64 features in
-// 2 blocks of 256, without the softmax between them: bytes per second.
-double op_kernels_rate(const float* buf, int64_t bytes) {
-  constexpr int64_t hd = 64, keys = 512, block = 256, heads = 12, stride = 8 * (hd + 2);
-  constexpr int64_t block_floats = block * hd;
-  constexpr int64_t score_ticks = 2 * 4 * 16;  // per block: 2 blocks of heads, 4 steps, 16 each
-  constexpr int64_t value_ticks = 2 * 64;      // per block: 2 blocks of heads, 256 rows / 4
-  const int64_t rows = bytes / 256, half = rows / 2, items = half / keys;
-  std::vector<float> q(heads * hd, 0.01f), scores(heads * keys), out(heads * stride);
-  std::vector<Vec> bounds(2 * heads, Vec(0.0f));
-  const float* none = nullptr;
+// The op's kernels and prefetcher (grouped_scores, all_row_values, Prefetcher) on one
+// multi-query work item, as Attend::item calls them for 12 query heads over 512 keys of 64
+// features in 2 blocks of 256 (keys at k0 in the op's blocks, values as rows at v0), without
+// the item's set-up and softmax; next_keys: where the next item's keys start.
+struct ItemKernels {
+  static constexpr int64_t hd = 64, keys = 512, block = 256, heads = 12, stride = 8 * (hd + 2);
+  static constexpr int64_t block_floats = block * hd;
+  static constexpr int64_t score_ticks = 2 * 4 * 16;  // per block: 2 blocks of heads, 4 x 16
+  static constexpr int64_t value_ticks = 2 * 64;      // per block: 2 blocks of heads, 256 / 4
+  std::vector<float> q = std::vector<float>(heads * hd, 0.01f);
+  std::vector<float> scores = std::vector<float>(heads * keys);
+  std::vector<float> out = std::vector<float>(heads * stride);
+  std::vector<Vec> bounds = std::vector<Vec>(2 * heads, Vec(0.0f));
   Prefetcher ahead;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t item = 0; item < items; ++item) {
-    const float* k0 = buf + item * keys * hd;
-    const float* v0 = buf + (half + item * keys) * hd;
-    const float* next_keys = buf + (item + 1 < items ? (item + 1) * keys : 0) * hd;
+
+  void run(const float* k0, const float* v0, const float* next_keys) {
+    const float* none = nullptr;
     ahead.start_far(v0, block_floats, 2 * score_ticks);  // the values' first block
     for (int64_t b = 0; b < keys / block; ++b) {
       const float* k = k0 + b * block_floats;
@@ -269,7 +268,55 @@ double op_kernels_rate(const float* buf, int64_t bytes) {
       }
     }
   }
+};
+
+// Pattern 6 with the op's kernels (ItemKernels): items of 512 keys from the first half of
+// the buffer and 512 value rows from the second: bytes per second.
+double op_kernels_rate(const float* buf, int64_t bytes) {
+  const int64_t rows = bytes / 256, half = rows / 2, items = half / ItemKernels::keys;
+  const int64_t item_floats = ItemKernels::keys * ItemKernels::hd;
+  ItemKernels kernels;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t item = 0; item < items; ++item) {
+    kernels.run(buf + item * item_floats, buf + half * 64 + item * item_floats,
+                buf + (item + 1 < items ? item + 1 : 0) * item_floats);
+  }
   return static_cast<double>(rows * 256) / seconds_since(start);
+}
+
+// ItemKernels over the layers' own multi-query caches (one key/value head, blocks of 256,
+// contexts a multiple of 512: every item whole), each layer's items split over `threads`
+// std::threads as at::parallel_for splits them: GFLOP per second. Without the items'
+// set-up, softmax and merge, beside attention_items.
+double kernels_alone(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                     int64_t count, int64_t rounds, int64_t threads) {
+  const int64_t batch = keys[0].size(0), hd = ItemKernels::hd, chunk = ItemKernels::keys;
+  const int64_t cap = keys[0].size(2) / hd, chunks = count / chunk, items = batch * chunks;
+  TORCH_CHECK(keys[0].size(1) == 1 && count % chunk == 0 && count >= chunk,
+              "kernels_alone takes one key/value head and a multiple of 512 keys");
+  auto share = [&](int64_t t) {
+    ItemKernels kernels;
+    const int64_t begin = t * items / threads, end = (t + 1) * items / threads;
+    auto at = [&](const at::Tensor& buffer, int64_t i) {  // item i's first key or value row
+      return buffer.data_ptr<float>() + (i / chunks) * hd * cap + (i % chunks) * chunk * hd;
+    };
+    for (size_t l = 0; l < keys.size(); ++l) {
+      for (int64_t i = begin; i < end; ++i) {
+        kernels.run(at(keys[l], i), at(values[l], i), at(keys[l], i + 1 < end ? i + 1 : i));
+      }
+    }
+  };
+  auto step = [&] {
+    std::vector<std::thread> workers;
+    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(share, t);
+    share(0);
+    for (auto& worker : workers) worker.join();
+  };
+  step();  // warm-up
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) step();
+  const double flops = 4.0 * ItemKernels::heads * hd * count * batch * keys.size() * rounds;
+  return flops / seconds_since(start) / 1e9;
 }
 
 // The sum of `threads` concurrent pattern_rate runs' bytes per second, each over its own
@@ -304,5 +351,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
   m.def("attention", &attention, py::call_guard<py::gil_scoped_release>());
   m.def("attention_items", &attention_items, py::call_guard<py::gil_scoped_release>());
+  m.def("kernels_alone", &kernels_alone, py::call_guard<py::gil_scoped_release>());
   m.def("patterns", &patterns, py::call_guard<py::gil_scoped_release>());
 }

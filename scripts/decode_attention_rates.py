@@ -11,7 +11,9 @@ the read patterns it is measured against, with the same arithmetic.
   stops the script). It reproduces the attention region of scripts/decode_regions.py
   without the rest of the stack, in a minute. Beside it, "items alone": the same work items
   walked on as many std::threads, each its share of every layer's items in turn, without the
-  parallel regions and the heads' merge.
+  parallel regions and the heads' merge; and for multi-query rows (one key/value head,
+  contexts a multiple of 512, blocks of 256), "kernels alone": the op's kernels and
+  prefetcher at the same items' addresses, without the items' set-up, softmax and merge.
 - `--patterns`: reads of 512 MiB per thread with multi-query attention's arithmetic over a
   float32 cache (12 query heads' multiply-adds per row of 64 floats: 6 FLOP per byte, in
   blocks of 6 heads as the op does them), in the patterns named in the table: how many
@@ -147,6 +149,7 @@ def main() -> None:
         f"thread(s); torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm {matmul / 1e9:.0f} GFLOP/s"
     )
     columns = ["kv", "batch", "context", "GFLOP/s", "GB/s", "x limit", "items alone GB/s"]
+    columns += ["kernels alone GB/s"]
     columns += ["baseline GFLOP/s", "this/baseline time"] if args.baseline else []
     for column in columns:
         table.add_column(column, justify="right")
@@ -155,7 +158,8 @@ def main() -> None:
         qkv, caches = layer_caches(kv, batch, context, args.layers, args.block_tokens)
         keys, values = [c.keys_t for c in caches], [c.values_t for c in caches]
         best = [0.0] * len(modules)
-        items_alone = 0.0
+        items_alone = kernels = 0.0
+        whole_items = kv == 1 and context % 512 == 0 and args.block_tokens == 256
         for _ in range(3):
             for i, module in enumerate(modules):
                 rate = module.attention(
@@ -168,10 +172,14 @@ def main() -> None:
                     qkv, keys, values, HEADS, context, args.block_tokens, args.rounds, args.threads
                 ),
             )
+            if whole_items:
+                rate = modules[0].kernels_alone(keys, values, context, args.rounds, args.threads)
+                kernels = max(kernels, rate)
         bytes_per_flop = cache_bytes(kv, batch, context) / (4 * HEADS * HEAD_DIM * context * batch)
         limit = min(bandwidth / 1e9 / bytes_per_flop, matmul / 1e9)  # GFLOP/s at the floor
         cells = [kv, batch, context, f"{best[0]:.1f}", f"{best[0] * bytes_per_flop:.1f}"]
         cells += [f"{limit / best[0]:.2f}", f"{items_alone * bytes_per_flop:.1f}"]
+        cells += [f"{kernels * bytes_per_flop:.1f}" if whole_items else ""]
         cells += [f"{best[1]:.1f}", f"{best[1] / best[0]:.2f}"] if args.baseline else []
         table.add_row(*(str(cell) for cell in cells))
     console = Console(width=140)
