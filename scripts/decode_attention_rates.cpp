@@ -39,6 +39,25 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& keys_t, at::Tensor va
   return out;
 }
 
+// GFLOP per second of `rounds` calls of step (one decoding step's attention over every
+// layer), after one call to warm up; `flops` per call.
+template <typename F>
+double rate_of(F&& step, int64_t rounds, double flops) {
+  step();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < rounds; ++r) step();
+  return flops * static_cast<double>(rounds) / seconds_since(start) / 1e9;
+}
+
+// share(t) for every t < threads, on as many std::threads (t = 0 on the calling one).
+template <typename F>
+void on_threads(int64_t threads, F&& share) {
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) workers.emplace_back(share, t);
+  share(0);
+  for (auto& worker : workers) worker.join();
+}
+
 // GFLOP per second of `rounds` calls per layer, the layers' caches taken in turn (one
 // decoding step's attention per round, as the stack runs it).
 double attention(const at::Tensor& qkv, std::vector<at::Tensor> keys,
@@ -53,11 +72,7 @@ double attention(const at::Tensor& qkv, std::vector<at::Tensor> keys,
                                out.data_ptr<float>());
     }
   };
-  step();  // warm-up
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t r = 0; r < rounds; ++r) step();
-  const double flops = 4.0 * heads * a.hd * count * qkv.size(0) * keys.size() * rounds;
-  return flops / seconds_since(start) / 1e9;
+  return rate_of(step, rounds, 4.0 * heads * a.hd * count * qkv.size(0) * keys.size());
 }
 
 // As attention, without the parallel regions and the merge: the layers' work items walked on
@@ -83,17 +98,8 @@ double attention_items(const at::Tensor& qkv, std::vector<at::Tensor> keys,
       }
     }
   };
-  auto step = [&] {
-    std::vector<std::thread> workers;
-    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(share, t);
-    share(0);
-    for (auto& worker : workers) worker.join();
-  };
-  step();  // warm-up
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t r = 0; r < rounds; ++r) step();
-  const double flops = 4.0 * heads * a.hd * count * qkv.size(0) * keys.size() * rounds;
-  return flops / seconds_since(start) / 1e9;
+  const double flops = 4.0 * heads * a.hd * count * qkv.size(0) * keys.size();
+  return rate_of([&] { on_threads(threads, share); }, rounds, flops);
 }
 
 // A multi-query tile's arithmetic on one row of 64 float32 (256 bytes, 4 lines): 6 query
@@ -306,17 +312,8 @@ double kernels_alone(std::vector<at::Tensor> keys, std::vector<at::Tensor> value
       }
     }
   };
-  auto step = [&] {
-    std::vector<std::thread> workers;
-    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(share, t);
-    share(0);
-    for (auto& worker : workers) worker.join();
-  };
-  step();  // warm-up
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t r = 0; r < rounds; ++r) step();
-  const double flops = 4.0 * ItemKernels::heads * hd * count * batch * keys.size() * rounds;
-  return flops / seconds_since(start) / 1e9;
+  const double flops = 4.0 * ItemKernels::heads * hd * count * batch * keys.size();
+  return rate_of([&] { on_threads(threads, share); }, rounds, flops);
 }
 
 // The sum of `threads` concurrent pattern_rate runs' bytes per second, each over its own
@@ -324,22 +321,17 @@ double kernels_alone(std::vector<at::Tensor> keys, std::vector<at::Tensor> value
 double patterns(int64_t pattern, int64_t threads, int64_t bytes) {
   std::vector<std::vector<float>> buffers(threads, std::vector<float>(bytes / 4, 0.5f));
   std::vector<double> rates(threads);
-  std::vector<std::thread> workers;
+  auto share = [&](int64_t t) {
+    rates[t] = pattern >= 7 ? op_kernels_rate(buffers[t].data(), bytes)
+                            : pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
+  };
   if (pattern == 8) {  // pattern 7 on the op's threads (at::parallel_for)
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) rates[t] = op_kernels_rate(buffers[t].data(), bytes);
+      for (int64_t t = begin; t < end; ++t) share(t);
     });
-    double total = 0;
-    for (double rate : rates) total += rate;
-    return total;
+  } else {
+    on_threads(threads, share);
   }
-  for (int64_t t = 0; t < threads; ++t) {
-    workers.emplace_back([&, t] {
-      rates[t] = pattern == 7 ? op_kernels_rate(buffers[t].data(), bytes)
-                              : pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
-    });
-  }
-  for (auto& worker : workers) worker.join();
   double total = 0;
   for (double rate : rates) total += rate;
   return total;
