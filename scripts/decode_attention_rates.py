@@ -128,6 +128,63 @@ def cache_bytes(kv: int, batch: int, context: int) -> int:
     return 2 * batch * kv * context * HEAD_DIM * 4
 
 
+def row_rates(modules, args, kv: int, batch: int, context: int):
+    """(each module's GFLOP/s, items alone's, kernels alone's or None) for one row, each the
+    best of three taken in turn."""
+    qkv, caches = layer_caches(kv, batch, context, args.layers, args.block_tokens)
+    keys, values = [c.keys_t for c in caches], [c.values_t for c in caches]
+    block, rounds, threads = args.block_tokens, args.rounds, args.threads
+    whole_items = kv == 1 and context % 512 == 0 and block == 256  # kernels_alone's items
+    best, items_alone, kernels = [0.0] * len(modules), 0.0, 0.0
+    for _ in range(3):
+        for i, module in enumerate(modules):
+            rate = module.attention(qkv, keys, values, HEADS, context, block, rounds)
+            best[i] = max(best[i], rate)
+        rate = modules[0].attention_items(qkv, keys, values, HEADS, context, block, rounds, threads)
+        items_alone = max(items_alone, rate)
+        if whole_items:
+            kernels = max(kernels, modules[0].kernels_alone(keys, values, context, rounds, threads))
+    return best, items_alone, kernels if whole_items else None
+
+
+def attention_table(modules, args, bandwidth: float, matmul: float) -> Table:
+    """The rows' rates beside the limits (GB/s: the cache's bytes over the time)."""
+    table = Table(
+        title=f"attention alone, float32 cache, {args.layers} layers, {args.threads} "
+        f"thread(s); torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm {matmul / 1e9:.0f} GFLOP/s"
+    )
+    columns = ["kv", "batch", "context", "GFLOP/s", "GB/s", "x limit", "items alone GB/s"]
+    columns += ["kernels alone GB/s"]
+    columns += ["baseline GFLOP/s", "this/baseline time"] if args.baseline else []
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in args.rows.split(","):
+        kv, batch, context = (int(part) for part in row.split(":"))
+        best, items_alone, kernels = row_rates(modules, args, kv, batch, context)
+        bytes_per_flop = cache_bytes(kv, batch, context) / (4 * HEADS * HEAD_DIM * context * batch)
+        limit = min(bandwidth / 1e9 / bytes_per_flop, matmul / 1e9)  # GFLOP/s at the floor
+        cells = [kv, batch, context, f"{best[0]:.1f}", f"{best[0] * bytes_per_flop:.1f}"]
+        cells += [f"{limit / best[0]:.2f}", f"{items_alone * bytes_per_flop:.1f}"]
+        cells += [f"{kernels * bytes_per_flop:.1f}" if kernels is not None else ""]
+        cells += [f"{best[1]:.1f}", f"{best[1] / best[0]:.2f}"] if args.baseline else []
+        table.add_row(*(str(cell) for cell in cells))
+    return table
+
+
+def pattern_table(module, threads: int) -> Table:
+    """Each read pattern's bytes per second on `threads` threads, best of three."""
+    table = Table(
+        title=f"512 MiB per thread, {threads} thread(s), with multi-query arithmetic (6 FLOP "
+        "per byte), best of 3"
+    )
+    for column in ("pattern", "GB/s", "GFLOP/s"):
+        table.add_column(column, justify="left" if column == "pattern" else "right")
+    for index, name in enumerate(PATTERNS):
+        rate = max(module.patterns(index, threads, 1 << 29) for _ in range(3))
+        table.add_row(name, f"{rate / 1e9:.1f}", f"{rate * 6 / 1e9:.0f}")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -144,57 +201,10 @@ def main() -> None:
         for kv in (1, 4):
             check(module, kv, args.block_tokens)
     bandwidth, matmul = read_bandwidth(1 << 30), matmul_rate()
-    table = Table(
-        title=f"attention alone, float32 cache, {args.layers} layers, {args.threads} "
-        f"thread(s); torch.sum {bandwidth / 1e9:.1f} GB/s, torch.mm {matmul / 1e9:.0f} GFLOP/s"
-    )
-    columns = ["kv", "batch", "context", "GFLOP/s", "GB/s", "x limit", "items alone GB/s"]
-    columns += ["kernels alone GB/s"]
-    columns += ["baseline GFLOP/s", "this/baseline time"] if args.baseline else []
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in args.rows.split(","):
-        kv, batch, context = (int(part) for part in row.split(":"))
-        qkv, caches = layer_caches(kv, batch, context, args.layers, args.block_tokens)
-        keys, values = [c.keys_t for c in caches], [c.values_t for c in caches]
-        best = [0.0] * len(modules)
-        items_alone = kernels = 0.0
-        whole_items = kv == 1 and context % 512 == 0 and args.block_tokens == 256
-        for _ in range(3):
-            for i, module in enumerate(modules):
-                rate = module.attention(
-                    qkv, keys, values, HEADS, context, args.block_tokens, args.rounds
-                )
-                best[i] = max(best[i], rate)
-            items_alone = max(
-                items_alone,
-                modules[0].attention_items(
-                    qkv, keys, values, HEADS, context, args.block_tokens, args.rounds, args.threads
-                ),
-            )
-            if whole_items:
-                rate = modules[0].kernels_alone(keys, values, context, args.rounds, args.threads)
-                kernels = max(kernels, rate)
-        bytes_per_flop = cache_bytes(kv, batch, context) / (4 * HEADS * HEAD_DIM * context * batch)
-        limit = min(bandwidth / 1e9 / bytes_per_flop, matmul / 1e9)  # GFLOP/s at the floor
-        cells = [kv, batch, context, f"{best[0]:.1f}", f"{best[0] * bytes_per_flop:.1f}"]
-        cells += [f"{limit / best[0]:.2f}", f"{items_alone * bytes_per_flop:.1f}"]
-        cells += [f"{kernels * bytes_per_flop:.1f}" if whole_items else ""]
-        cells += [f"{best[1]:.1f}", f"{best[1] / best[0]:.2f}"] if args.baseline else []
-        table.add_row(*(str(cell) for cell in cells))
     console = Console(width=140)
-    console.print(table)
+    console.print(attention_table(modules, args, bandwidth, matmul))
     if args.patterns:
-        patterns = Table(
-            title=f"512 MiB per thread, {args.threads} thread(s), with multi-query "
-            "arithmetic (6 FLOP per byte), best of 3"
-        )
-        for column in ("pattern", "GB/s", "GFLOP/s"):
-            patterns.add_column(column, justify="left" if column == "pattern" else "right")
-        for index, name in enumerate(PATTERNS):
-            rate = max(modules[0].patterns(index, args.threads, 1 << 29) for _ in range(3))
-            patterns.add_row(name, f"{rate / 1e9:.1f}", f"{rate * 6 / 1e9:.0f}")
-        console.print(patterns)
+        console.print(pattern_table(modules[0], args.threads))
 
 
 if __name__ == "__main__":
