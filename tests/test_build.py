@@ -227,7 +227,7 @@ def test_bfloat16_products_are_built_where_the_cpu_has_them(has_them, takes, vec
 
 
 def test_a_compiler_check_tells_a_known_flag_from_an_unknown_one_and_a_missing_compiler():
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _build.cxx()
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) here")
     assert _build.compiler_takes("-O2", compiler)

@@ -59,7 +59,12 @@ def bfloat16_products() -> bool:
     if os.environ.get(VECTORS_VARIABLE) == "avx512":
         return False
     has_them = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return has_them and compiler_takes(BF16_FLAG, os.environ.get("CXX", "c++"))
+    return has_them and compiler_takes(BF16_FLAG, cxx())
+
+
+def cxx() -> str:
+    """The C++ compiler torch's extension builder calls: $CXX, else c++."""
+    return os.environ.get("CXX", "c++")
 
 
 @functools.cache
@@ -104,7 +109,7 @@ LDFLAGS = ("-fopenmp",)
 
 def build_key(source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> dict[str, str]:
     """Everything that changes the binary built from `source` with these flags."""
-    compiler = os.environ.get("CXX", "c++")
+    compiler = cxx()
     found = shutil.which(compiler)
     return {
         "torch": f"{torch.__version__} {torch.version.git_version}",
@@ -183,7 +188,7 @@ def _missing() -> str | None:
     """What the build needs and this machine lacks, before torch is asked to build."""
     if platform.system() == "Darwin":
         return _MACOS
-    compiler = os.environ.get("CXX", "c++")
+    compiler = cxx()
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH; install g++ or set CXX)"
     put_ninja_on_path()
