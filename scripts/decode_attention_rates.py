@@ -30,22 +30,19 @@ Usage: python scripts/decode_attention_rates.py [--threads N] [--rounds N] [--la
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
-import tempfile
 from pathlib import Path
 
 import torch
+from decode_kernel_rates import SOURCE, build_appended
 from rich.console import Console
 from rich.table import Table
 
-from attnlab import _build, decode_cpu
 from attnlab.bench.decode_stack import matmul_rate, read_bandwidth
 from attnlab.kv_cache import BLOCK_TOKENS, KVCache
 
 HEAD_DIM, HEADS = 64, 12
-HERE = Path(__file__).resolve().parent
-SOURCE = Path(decode_cpu.__file__).with_name("csrc") / "decode_step.cpp"
+HARNESS = Path(__file__).resolve().with_name("decode_attention_rates.cpp")
 ROWS = "1:8:1024,1:8:4096,4:8:4096,12:1:4096"
 PATTERNS = (
     "one stream, a row's 12 heads at once, no prefetch",
@@ -62,32 +59,9 @@ PATTERNS = (
 )
 
 
-def text_of(source: Path, name: str) -> str:
-    """`source` (a decode_step.cpp, without its bindings) and decode_attention_rates.cpp as
-    one translation unit, its op library renamed `name` so that it loads beside attnlab's."""
-    op_text = source.read_text()
-    op_text = op_text[: op_text.index('#include "decode_plan.h"')]  # the bindings follow
-    text = op_text + (HERE / "decode_attention_rates.cpp").read_text()
-    return text.replace("TORCH_LIBRARY(attnlab_decode,", f"TORCH_LIBRARY({name},")
-
-
 def build(source: Path = SOURCE):
-    """The extension of text_of(source), built once per text."""
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256(text_of(source, "x").encode()).hexdigest()[:12]
-    name = f"attnlab_attention_rates_{digest}"
-    text = text_of(source, name)
-    path = Path(tempfile.gettempdir()) / f"{name}.cpp"
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    return cpp_extension.load(
-        name,
-        [str(path)],
-        extra_cflags=_build.cflags(decode_cpu._WIDE),
-        extra_ldflags=list(_build.LDFLAGS),
-        extra_include_paths=[str(SOURCE.parent)],
-    )
+    """`source` and decode_attention_rates.cpp, built as one extension."""
+    return build_appended(HARNESS, "attnlab_attention_rates", source)
 
 
 def layer_caches(kv: int, batch: int, context: int, layers: int, block: int):

@@ -51,28 +51,38 @@ HERE = Path(__file__).resolve().parent
 SOURCE = Path(decode_cpu.__file__).with_name("csrc") / "decode_step.cpp"
 
 
-def kernels(source: Path = SOURCE):
-    """`source` (a decode_step.cpp, without its bindings) and decode_kernel_rates.cpp, built
-    as one extension."""
-    from torch.utils import cpp_extension
-
+def appended_text(source: Path, harness: Path, library: str) -> str:
+    """`source` (a decode_step.cpp, without its bindings) and the C++ file `harness` as one
+    translation unit, its op library renamed `library` so that it loads beside attnlab's."""
     op_text = source.read_text()
     op_text = op_text[: op_text.index('#include "decode_plan.h"')]  # the bindings follow
-    text = op_text + (HERE / "decode_kernel_rates.cpp").read_text()
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    text = text.replace(  # a library of its own name: two versions load in one process
-        "TORCH_LIBRARY(attnlab_decode,", f"TORCH_LIBRARY(attnlab_decode_rates_{digest},"
-    )
-    path = Path(tempfile.gettempdir()) / f"attnlab_kernel_rates_{digest}.cpp"
+    text = op_text + harness.read_text()
+    return text.replace("TORCH_LIBRARY(attnlab_decode,", f"TORCH_LIBRARY({library},")
+
+
+def build_appended(harness: Path, prefix: str, source: Path = SOURCE):
+    """The extension of appended_text(source, harness, ...), named `prefix` and the text's
+    digest (two versions load in one process), built once per text."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(appended_text(source, harness, prefix).encode()).hexdigest()[:12]
+    name = f"{prefix}_{digest}"
+    text = appended_text(source, harness, name)
+    path = Path(tempfile.gettempdir()) / f"{name}.cpp"
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
     return cpp_extension.load(
-        f"attnlab_kernel_rates_{digest}",
+        name,
         [str(path)],
         extra_cflags=_build.cflags(decode_cpu._WIDE),
         extra_ldflags=list(_build.LDFLAGS),
         extra_include_paths=[str(SOURCE.parent)],
     )
+
+
+def kernels(source: Path = SOURCE):
+    """`source` and decode_kernel_rates.cpp, built as one extension."""
+    return build_appended(HERE / "decode_kernel_rates.cpp", "attnlab_kernel_rates", source)
 
 
 def limits() -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """scripts/decode_attention_rates.py: the text it builds (decode_step.cpp without its
-bindings, its op library renamed), the caches it times and the float64 attention its
-harness is checked against before timing. Nothing is built here (the script builds and
-checks its harness itself, against reference(), on every run)."""
+bindings, its op library renamed, by decode_kernel_rates.py's builder), the caches it times
+and the float64 attention its harness is checked against before timing. Nothing is built
+here (the script builds and checks its harness itself, against reference(), on every
+run)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def rates():
 
 
 def test_the_text_is_the_op_without_its_bindings_under_a_library_name_of_its_own(rates):
-    text = rates.text_of(rates.SOURCE, "attnlab_attention_rates_test")
+    kernel_rates = importlib.import_module("decode_kernel_rates")  # the builder it shares
+    text = kernel_rates.appended_text(rates.SOURCE, rates.HARNESS, "attnlab_attention_rates_test")
     assert '#include "decode_plan.h"' not in text  # the bindings are cut
     assert "TORCH_LIBRARY(attnlab_decode," not in text
     assert "int64_t chunk_keys(" in text and "void append_and_attend(" in text
