@@ -127,6 +127,34 @@ inline void two_lines(const char* next, int64_t& line) {
   line += 2;
 }
 
+// The one pass over keys the registers allow for a multi-query head's 12 query heads: one
+// tile of 32 keys stored feature-major (64 rows of 32 floats, 8 KiB), 2 vectors of keys a
+// row against all 12 heads, their 24 sums in registers, stored to out (heads out_stride apart) at the end. Fixed:
+// each head's multiplier the same number for every row and known when this is compiled, as
+// in patterns 0 to 6 (the compiler folds them into the multiply-adds' operands); else
+// q[i * 64 + d], a broadcast per head and row as the op's kernels load them.
+template <bool Fixed>
+__attribute__((noinline)) void tile_of_keys(const float* q, const float* tile, float* out,
+                                            int64_t out_stride) {
+  float fixed[12];
+  for (int i = 0; i < 12; ++i) fixed[i] = 0.001f * static_cast<float>(i);
+  __m512 sums[12][2];
+  for (auto& head : sums) head[0] = head[1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < 64; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(tile + d * 32), k1 = _mm512_loadu_ps(tile + d * 32 + 16);
+    ATTNLAB_UNROLL
+    for (int i = 0; i < 12; ++i) {
+      const __m512 b = _mm512_set1_ps(Fixed ? fixed[i] : q[i * 64 + d]);
+      sums[i][0] = _mm512_fmadd_ps(b, k0, sums[i][0]);
+      sums[i][1] = _mm512_fmadd_ps(b, k1, sums[i][1]);
+    }
+  }
+  for (int i = 0; i < 12; ++i) {
+    _mm512_storeu_ps(out + out_stride * i, sums[i][0]);
+    _mm512_storeu_ps(out + out_stride * i + 16, sums[i][1]);
+  }
+}
+
 // Reads `bytes` at buf with 12 query heads' multiply-adds per row (6 FLOP per byte, as
 // multi-query attention over a float32 cache does), in one of these patterns:
 // 0: one stream, each row's 12 heads at once (the second 6 from L1), no prefetch;
@@ -143,8 +171,9 @@ inline void two_lines(const char* next, int64_t& line) {
 //    next block prefetched over both blocks of heads and the values' first block over the
 //    whole of the keys; then 512 value rows in 2 blocks of 256, each block of heads over
 //    the whole block, the next block, and over all of them the next item's keys;
-// 7: 6 with the op's kernels (op_kernels_rate); 8: 7 on the op's threads (at::parallel_for).
-// Returns bytes per second.
+// 7: 6 with the op's kernels (op_kernels_rate); 8: 7 on the op's threads (at::parallel_for);
+// 9 to 11: tile_rate's. Patterns 0 to 6 multiply every row by the same 12 numbers, known
+// when this is compiled. Returns bytes per second.
 double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   __m512 sums[24];
   for (auto& s : sums) s = _mm512_setzero_ps();
@@ -237,6 +266,31 @@ double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   return static_cast<double>(rows * 256) / seconds;
 }
 
+// One stream of 8 KiB key tiles, each read once by all 12 heads (tile_of_keys): 9, each
+// row's multipliers broadcast, the sums stored to 1.5 KiB that stay in L1; 10, 9 with the
+// multipliers fixed as in patterns 0 to 6; 11, 9 with each tile's sums stored where the op's
+// work item stores a block's scores, across 12 rows of 512 (24 KiB, 2 KiB apart: each tile
+// writes lines the stream has evicted since). Returns bytes per second.
+double tile_rate(int pattern, const float* buf, int64_t bytes) {
+  std::vector<float> q(12 * 64, 0.01f), scores(12 * 512);
+  const int64_t tiles = bytes / 8192;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t k = 0; k < tiles; ++k) {
+    const float* tile = buf + k * 2048;
+    if (pattern == 9) {
+      tile_of_keys<false>(q.data(), tile, scores.data(), 32);
+    } else if (pattern == 10) {
+      tile_of_keys<true>(q.data(), tile, scores.data(), 32);
+    } else {
+      tile_of_keys<false>(q.data(), tile, scores.data() + (k % 16) * 32, 512);
+    }
+  }
+  const double seconds = seconds_since(start);
+  volatile float sink = 0;
+  for (float x : scores) sink = sink + x;
+  return static_cast<double>(tiles * 8192) / seconds;
+}
+
 // The op's kernels and prefetcher (grouped_scores, all_row_values, Prefetcher) on one
 // multi-query work item, as Attend::item calls them for 12 query heads over 512 keys of 64
 // features in 2 blocks of 256 (keys at k0 in the op's blocks, values as rows at v0), without
@@ -322,8 +376,13 @@ double patterns(int64_t pattern, int64_t threads, int64_t bytes) {
   std::vector<std::vector<float>> buffers(threads, std::vector<float>(bytes / 4, 0.5f));
   std::vector<double> rates(threads);
   auto share = [&](int64_t t) {
-    rates[t] = pattern >= 7 ? op_kernels_rate(buffers[t].data(), bytes)
-                            : pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
+    if (pattern >= 9) {
+      rates[t] = tile_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
+    } else if (pattern >= 7) {
+      rates[t] = op_kernels_rate(buffers[t].data(), bytes);
+    } else {
+      rates[t] = pattern_rate(static_cast<int>(pattern), buffers[t].data(), bytes);
+    }
   };
   if (pattern == 8) {  // pattern 7 on the op's threads (at::parallel_for)
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
