@@ -20,7 +20,8 @@ the read patterns it is measured against, with the same arithmetic.
   table: how many bytes per second this machine's cores pull while they compute that way.
   The first seven multiply every row by the same 12 numbers, known when the harness is
   compiled, which the compiler folds into the multiply-adds; the op's kernels and the
-  second to last load a query feature (keys) or a weight (values) per row and head.
+  tiles with broadcast multipliers load a query feature (keys) or a weight (values) per
+  row and head.
 
 `--baseline BEFORE.cpp` builds another decode_step.cpp the same way (one that defines
 `chunk_keys` and `append_and_attend` as this one does, from 2026-11-27 night on) and times
@@ -62,8 +63,8 @@ PATTERNS = (
     "one stream of 8 KiB key tiles, each read once by all 12 heads (24 sums in registers), "
     "each row's multipliers broadcast",
     "the same, the multipliers fixed as in the first seven",
-    "the same as the second to last, each tile's sums stored where the op's item stores a "
-    "block's scores (12 rows of 512, 24 KiB)",
+    "the tiles with broadcast multipliers, each tile's sums stored where the op's item "
+    "stores a block's scores (12 rows of 512, 24 KiB)",
 )
 
 
