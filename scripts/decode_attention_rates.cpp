@@ -129,10 +129,11 @@ inline void two_lines(const char* next, int64_t& line) {
 
 // The one pass over keys the registers allow for a multi-query head's 12 query heads: one
 // tile of 32 keys stored feature-major (64 rows of 32 floats, 8 KiB), 2 vectors of keys a
-// row against all 12 heads, their 24 sums in registers, stored to out (heads out_stride apart) at the end. Fixed:
-// each head's multiplier the same number for every row and known when this is compiled, as
-// in patterns 0 to 6 (the compiler folds them into the multiply-adds' operands); else
-// q[i * 64 + d], a broadcast per head and row as the op's kernels load them.
+// row against all 12 heads, their 24 sums in registers, stored to out (heads out_stride
+// apart) at the end. Fixed: each head's multiplier the same number for every row and known
+// when this is compiled, as in patterns 0 to 6 (the compiler folds them into the
+// multiply-adds' operands); else q[i * 64 + d], a broadcast per head and row as the op's
+// kernels load them.
 template <bool Fixed>
 __attribute__((noinline)) void tile_of_keys(const float* q, const float* tile, float* out,
                                             int64_t out_stride) {
@@ -189,7 +190,7 @@ double pattern_rate(int pattern, const float* buf, int64_t bytes) {
   if (pattern == 6) {
     // per item: keys at item * 512 (rows of 256 bytes: 2 blocks of 256), values at half + ...
     auto stream_start = [](PrefetchStream& p, const char* first, int64_t lines, int64_t ticks) {
-      p.begin = first, p.lines = lines, p.done = 0, p.per_tick = (lines + ticks - 1) / ticks;
+      p.start(first, lines * 64, ticks);  // `lines` lines of 64 bytes
     };
     PrefetchStream near, far;
     auto tick = [&] { near.tick(), far.tick(); };
