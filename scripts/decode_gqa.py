@@ -20,10 +20,14 @@ figures of an earlier run (`--compare`):
 A baseline from before the values became rows (2026-11-27) reads a copy of them laid out as
 the keys: add `--baseline-values-like-keys`.
 
+The steps run back to back, so that the last-level cache keeps part of the stack's weights
+from one step to the next. `--cold` times each call after a read that evicts the CPU's
+caches, the median wall time of `rounds`, as `attnlab bench --decode` times its rows.
+
 Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
     [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]
     [--compare BEFORE.json] [--baseline BEFORE.cpp [--baseline-values-like-keys]]
-    [--threads N] [--block-tokens N]
+    [--threads N] [--block-tokens N] [--cold]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +43,7 @@ from pathlib import Path
 import torch
 
 from attnlab import MultiHeadAttention, _build, decode_cpu, plan
+from attnlab.bench import timing
 from attnlab.kv_cache import KVCache
 
 LAYERS, D_MODEL, HEADS = 12, 768, 12
@@ -170,6 +176,23 @@ def least_seconds(steps, rounds: int, clock=time.thread_time) -> list[float]:
     return best
 
 
+def median_cold_seconds(steps, rounds: int, flush=None, clock=time.perf_counter) -> list[float]:
+    """Each step's median wall time over `rounds`, each call after flush() (default: a read
+    larger than the CPU's caches, as `attnlab bench --decode` times its rows: the weights
+    from memory)."""
+    flush = flush or timing.bandwidth_probe("cpu")[0]
+    for step in steps:
+        step()  # warm-up
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            flush()
+            start = clock()
+            step()
+            times[i].append(clock() - start)
+    return [statistics.median(ts) for ts in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -182,6 +205,11 @@ def main() -> None:
     parser.add_argument("--baseline", help="another decode_step.cpp, timed in turn with this one")
     parser.add_argument(
         "--threads", type=int, default=1, help="threads; above 1, the step's wall time"
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="time each step after evicting the CPU's caches (median wall time), as the bench",
     )
     parser.add_argument(
         "--block-tokens",
@@ -203,8 +231,12 @@ def main() -> None:
     ops = [decode_cpu._op()] + ([baseline_op(args.baseline)] if args.baseline else [])
     figures = {}
     timed = "one thread's CPU time" if args.threads == 1 else f"{args.threads} threads' wall time"
+    if args.cold:
+        timed = "wall time after evicting the caches"
+    which = "median" if args.cold else "least"
     print(
-        f"ms per step ({LAYERS} layers, {timed}, least of {args.rounds}), {args.cache_dtype} cache"
+        f"ms per step ({LAYERS} layers, {timed}, {which} of {args.rounds}), "
+        f"{args.cache_dtype} cache"
     )
     for num_kv_heads in args.kv_heads:
         for batch in args.batches:
@@ -220,7 +252,12 @@ def main() -> None:
                     old,
                     args.block_tokens,
                 )
-                times = [s * 1e3 for s in least_seconds(steps, args.rounds, clock)]
+                seconds = (
+                    median_cold_seconds(steps, args.rounds)
+                    if args.cold
+                    else least_seconds(steps, args.rounds, clock)
+                )
+                times = [s * 1e3 for s in seconds]
                 ms = figures[key] = times[0]
                 line = f"{key:<32} {ms:9.2f}"
                 if len(times) > 1:

@@ -20,8 +20,12 @@ its own, so that it loads beside attnlab's. Per region and step:
   output projection; between layers: the op's tail, the Python loop and the next op's
   checks and allocations).
 
+The steps run back to back (the last-level cache then keeps part of the stack's weights from
+one step to the next), or with `--cold` each after a read that evicts the CPU's caches, as
+`attnlab bench --decode` times its rows.
+
 Usage: python scripts/decode_regions.py [--steps N] [--threads N] [--rows kv:batch:context,...]
-    [--cache-dtype float32|bfloat16|int8] [--source decode_step.cpp]
+    [--cache-dtype float32|bfloat16|int8] [--source decode_step.cpp] [--cold]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from attnlab import _build, decode_cpu
+from attnlab.bench import timing
 from attnlab.bench.decode_stack import matmul_rate, read_bandwidth
 
 SOURCE = Path(decode_cpu.__file__).with_name("csrc") / "decode_step.cpp"
@@ -166,6 +171,19 @@ def clocked_op(source_path: Path = SOURCE):
     return module.decode_step, getattr(torch.ops, name).take
 
 
+def timed_steps(step, steps: int, flush=None, clock=time.perf_counter) -> float:
+    """Seconds per step over `steps` steps back to back, or each after flush() (a read that
+    evicts the CPU's caches, outside the time)."""
+    total = 0.0
+    for _ in range(steps):
+        if flush is not None:
+            flush()
+        start = clock()
+        step()
+        total += clock() - start
+    return total / steps
+
+
 def _row(text: str) -> tuple[int, int, int]:
     kv, batch, context = (int(part) for part in text.split(":"))
     return kv, batch, context
@@ -199,17 +217,23 @@ def main() -> None:
         help="key/value heads:batch:context, comma-separated",
     )
     parser.add_argument("--cache-dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="each step after evicting the CPU's caches (as attnlab bench --decode times it)",
+    )
     args = parser.parse_args()
     cache_dtype = DTYPES[args.cache_dtype]
     if not decode_cpu.available():
         raise SystemExit(f"the native decode step is unavailable: {decode_cpu.load_error()}")
     torch.set_num_threads(args.threads)
     op, take = clocked_op(args.source)
+    flush, _ = timing.bandwidth_probe("cpu")
     bandwidth, rate = read_bandwidth(), matmul_rate()
     console = Console(width=150)
     table = Table(
         title=f"{LAYERS}-layer step, {args.cache_dtype} cache, {args.threads} threads, "
-        f"{args.steps} steps per row; "
+        f"{args.steps} steps per row{', each from memory' if args.cold else ''}; "
         f"limits {bandwidth / 1e9:.1f} GB/s (torch.sum), {rate / 1e9:.0f} GFLOP/s (torch.mm)"
     )
     for column in ("kv", "batch", "context", "step ms", "part", "ms", "share", "spread"):
@@ -220,10 +244,7 @@ def main() -> None:
         (step,) = stack_step(kv, batch, context, cache_dtype, [op])
         step()
         take()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        step_s = (time.perf_counter() - start) / args.steps
+        step_s = timed_steps(step, args.steps, flush if args.cold else None)
         figures = take().tolist()
         loads = region_loads(kv, batch, context, cache_dtype)
         first = True

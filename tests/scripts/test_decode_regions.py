@@ -6,6 +6,7 @@ suite, not a later measurement. Nothing is built."""
 from __future__ import annotations
 
 import importlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -59,3 +60,39 @@ def test_the_attentions_bytes_are_what_the_layers_caches_hold(regions, cache_dty
     held = module.make_cache(batch, context, dtype=cache_dtype).nbytes
     _, (cache_bytes, _), _ = regions.region_loads(kv, batch, context, cache_dtype)
     assert cache_bytes == regions.LAYERS * held
+
+
+def test_cold_steps_flush_before_each_step_and_leave_the_flush_out_of_the_time(regions):
+    """--cold: every step follows a flush, and only the step is timed (a clock that reads
+    the calls made so far: each step's call counts 1, each flush's 10)."""
+    events: list[str] = []
+
+    def clock():
+        return sum(1 if event == "step" else 10 for event in events)
+
+    seconds = regions.timed_steps(
+        lambda: events.append("step"), 3, lambda: events.append("flush"), clock
+    )
+    assert events == ["flush", "step"] * 3
+    assert seconds == 1
+    events.clear()
+    regions.timed_steps(lambda: events.append("step"), 2, clock=clock)  # back to back
+    assert events == ["step", "step"]
+
+
+def test_decode_gqa_cold_medians_flush_before_each_timed_call(regions):
+    """decode_gqa.py --cold: a flush before every timed call of every step, each step's
+    median over the rounds (a clock that reads 0, 1, 4, 9, ...: call k of the rounds lasts
+    (2k + 1)^2 - (2k)^2)."""
+    gqa = importlib.import_module("decode_gqa")
+    events: list[str] = []
+    ticks = iter(range(100))
+
+    def step(name):
+        return lambda: events.append(name)
+
+    medians = gqa.median_cold_seconds(
+        [step("a"), step("b")], 3, lambda: events.append("flush"), lambda: next(ticks) ** 2
+    )
+    assert events == ["a", "b"] + ["flush", "a", "flush", "b"] * 3
+    assert medians == [statistics.median([1, 9, 17]), statistics.median([5, 13, 21])]
