@@ -22,7 +22,8 @@ the keys: add `--baseline-values-like-keys`.
 
 The steps run back to back, so that the last-level cache keeps part of the stack's weights
 from one step to the next. `--cold` times each call after a read that evicts the CPU's
-caches, the median wall time of `rounds`, as `attnlab bench --decode` times its rows.
+caches, the median wall time of `rounds` rounds of three calls, as `attnlab bench --decode`
+times its rows.
 
 Usage: python scripts/decode_gqa.py [--rounds N] [--cache-dtype float32|bfloat16|int8]
     [--contexts 256,1024,4096] [--batches 1,8] [--kv-heads 12,4,1] [--json OUT]
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -176,21 +176,17 @@ def least_seconds(steps, rounds: int, clock=time.thread_time) -> list[float]:
     return best
 
 
-def median_cold_seconds(steps, rounds: int, flush=None, clock=time.perf_counter) -> list[float]:
-    """Each step's median wall time over `rounds`, each call after flush() (default: a read
-    larger than the CPU's caches, as `attnlab bench --decode` times its rows: the weights
-    from memory)."""
+def median_cold_seconds(steps, rounds: int, flush=None) -> list[float]:
+    """Each step's median wall time as `attnlab bench --decode` times its rows
+    (timing.interleaved_medians, cold): `rounds` rounds of at least three calls each, every
+    call after flush() (default: a read larger than the CPU's caches, so that the weights
+    come from memory)."""
     flush = flush or timing.bandwidth_probe("cpu")[0]
-    for step in steps:
-        step()  # warm-up
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(rounds):
-        for i, step in enumerate(steps):
-            flush()
-            start = clock()
-            step()
-            times[i].append(clock() - start)
-    return [statistics.median(ts) for ts in times]
+    candidates = {str(i): step for i, step in enumerate(steps)}
+    medians = timing.interleaved_medians(
+        candidates, rounds=rounds, min_run_time=0.0, cold=set(candidates), flush=flush
+    )
+    return [medians[name] for name in candidates]
 
 
 def main() -> None:
@@ -233,11 +229,8 @@ def main() -> None:
     timed = "one thread's CPU time" if args.threads == 1 else f"{args.threads} threads' wall time"
     if args.cold:
         timed = "wall time after evicting the caches"
-    which = "median" if args.cold else "least"
-    print(
-        f"ms per step ({LAYERS} layers, {timed}, {which} of {args.rounds}), "
-        f"{args.cache_dtype} cache"
-    )
+    which = f"median of {args.rounds} rounds of 3" if args.cold else f"least of {args.rounds}"
+    print(f"ms per step ({LAYERS} layers, {timed}, {which}), {args.cache_dtype} cache")
     for num_kv_heads in args.kv_heads:
         for batch in args.batches:
             for context in args.contexts:
