@@ -230,6 +230,7 @@ def main() -> None:
     if args.cold:
         timed = "wall time after evicting the caches"
     which = f"median of {args.rounds} rounds of 3" if args.cold else f"least of {args.rounds}"
+    flush = timing.bandwidth_probe("cpu")[0] if args.cold else None  # one buffer for all rows
     print(f"ms per step ({LAYERS} layers, {timed}, {which}), {args.cache_dtype} cache")
     for num_kv_heads in args.kv_heads:
         for batch in args.batches:
@@ -246,7 +247,7 @@ def main() -> None:
                     args.block_tokens,
                 )
                 seconds = (
-                    median_cold_seconds(steps, args.rounds)
+                    median_cold_seconds(steps, args.rounds, flush)
                     if args.cold
                     else least_seconds(steps, args.rounds, clock)
                 )
