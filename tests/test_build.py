@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -93,11 +94,109 @@ def test_a_build_says_so_in_one_line_with_its_duration(fake_build, source, capsy
     assert lines[0].startswith("attnlab: building the test kernel") and lines[0].endswith(" s")
 
 
-def test_a_lock_a_killed_build_left_is_removed_and_the_build_goes_on(fake_build, source, capsys):
-    """cpp_extension waits for the lock file of a build in progress; one older than a build
-    can take (its process was killed) is removed, said in the build's line, and built."""
+@pytest.fixture
+def no_polling(monkeypatch):
+    """With an OS lock, a load never polls cpp_extension's lock file (which waits for a killed
+    build's lock for STALE_LOCK_SECONDS): polling fails the test at once."""
+
+    def polled(lock):
+        raise AssertionError(f"polled {lock}")
+
+    if _build.fcntl is not None:
+        monkeypatch.setattr(_build, "_wait_for_lock", polled)
+
+
+def test_a_lock_a_killed_build_left_is_removed_at_once_and_the_build_goes_on(
+    fake_build, source, capsys, no_polling
+):
+    """cpp_extension waits for its lock file as long as it exists; a build killed while it
+    held it leaves it behind. Holding the builder's OS lock, which no running build holds
+    then, a load removes it however recent, says so in the build's line, and builds."""
+    lock = _build.build_directory(_name(source, _build.cflags(), _build.LDFLAGS)) / "lock"
+    lock.write_bytes(b"")
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert not lock.exists() and len(fake_build) == 1
+    assert "removed the lock of a build that was stopped" in capsys.readouterr().err
+
+
+# Another process's build, as far as the lock goes: it takes the builder lock, writes
+# cpp_extension's lock file, says so, then sleeps until killed or, told "finish" on stdin,
+# writes the library, removes its lock file and ends.
+OTHER_BUILD = """
+import fcntl, pathlib, sys, time
+folder, builder_lock, library = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+handle = open(folder / builder_lock, "a")
+fcntl.flock(handle, fcntl.LOCK_EX)
+(folder / "lock").write_bytes(b"")
+print("building", flush=True)
+sys.stdin.readline()
+(folder / library).write_bytes(b"")
+(folder / "lock").unlink()
+"""
+
+
+@pytest.fixture
+def other_build(fake_build, source):
+    """A started OTHER_BUILD in the test kernel's build folder, holding its locks."""
     name = _name(source, _build.cflags(), _build.LDFLAGS)
-    lock = _build.build_directory(name) / "lock"
+    folder = _build.build_directory(name)
+    args = [sys.executable, "-c", OTHER_BUILD, str(folder), _build.BUILDER_LOCK, f"{name}.so"]
+    process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "building\n"
+    yield process
+    process.kill()
+    process.wait()
+
+
+def _load_in_a_thread(source):
+    """_build.load of the test kernel started in a thread; (thread, its result list)."""
+    result = []
+    thread = threading.Thread(
+        target=lambda: result.append(_build.load("attnlab_test", source, "the kernel", "Python")),
+        daemon=True,  # a load that never returns fails its test instead of hanging pytest
+    )
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.skipif(_build.fcntl is None, reason="no OS lock here (fcntl): see the next tests")
+def test_a_load_waits_for_a_running_build_and_goes_on_when_it_is_killed(
+    other_build, fake_build, source, capsys, no_polling
+):
+    thread, result = _load_in_a_thread(source)
+    thread.join(0.5)
+    assert thread.is_alive() and fake_build == []  # waiting, however old the lock file gets
+    other_build.kill()  # SIGKILL: nothing of the build's own cleanup runs
+    thread.join(30)
+    assert not thread.is_alive() and result == [None] and len(fake_build) == 1
+    lock = _build.build_directory(fake_build[0]["name"]) / "lock"
+    err = capsys.readouterr().err
+    assert "waiting for another process's build" in err and not lock.exists()
+    assert "removed the lock of a build that was stopped" in err
+
+
+@pytest.mark.skipif(_build.fcntl is None, reason="no OS lock here (fcntl): see the next tests")
+def test_a_load_that_waited_loads_what_the_other_build_built(
+    other_build, fake_build, source, capsys, monkeypatch, no_polling
+):
+    loaded = []
+    monkeypatch.setattr(_build, "_load_library", lambda path: loaded.append(path) or True)
+    thread, result = _load_in_a_thread(source)
+    thread.join(0.5)
+    assert thread.is_alive() and loaded == []
+    other_build.communicate("finish\n", timeout=30)
+    thread.join(30)
+    assert result == [None] and fake_build == [] and len(loaded) == 1
+    assert "built by another process" in capsys.readouterr().err
+
+
+def test_without_an_os_lock_a_lock_older_than_a_build_is_removed(
+    fake_build, source, capsys, monkeypatch
+):
+    """Where there is no fcntl (Windows), a lock file older than a build can take
+    (STALE_LOCK_SECONDS) is a killed build's: removed, said, and built."""
+    monkeypatch.setattr(_build, "fcntl", None)
+    lock = _build.build_directory(_name(source, _build.cflags(), _build.LDFLAGS)) / "lock"
     lock.write_bytes(b"")
     old = time.time() - _build.STALE_LOCK_SECONDS - 5
     os.utime(lock, (old, old))
@@ -106,9 +205,9 @@ def test_a_lock_a_killed_build_left_is_removed_and_the_build_goes_on(fake_build,
     assert "removed a stale lock" in capsys.readouterr().err
 
 
-def test_a_lock_of_a_build_in_progress_is_waited_for(fake_build, source, monkeypatch):
-    name = _name(source, _build.cflags(), _build.LDFLAGS)
-    lock = _build.build_directory(name) / "lock"
+def test_without_an_os_lock_a_build_in_progress_is_waited_for(fake_build, source, monkeypatch):
+    monkeypatch.setattr(_build, "fcntl", None)
+    lock = _build.build_directory(_name(source, _build.cflags(), _build.LDFLAGS)) / "lock"
     lock.write_bytes(b"")
     slept = []
 

@@ -11,6 +11,7 @@ line saying what is missing and how to turn the extensions off (ATTNLAB_NO_EXTEN
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.machinery
@@ -32,6 +33,11 @@ from types import ModuleType
 import torch
 
 from attnlab import fake_ops
+
+try:  # an OS lock on the build folder, released when its process ends however it ends
+    import fcntl
+except ImportError:  # Windows: the age of cpp_extension's lock file instead (_wait_for_lock)
+    fcntl = None
 
 OFF_VARIABLE = "ATTNLAB_NO_EXTENSION"
 VECTORS_VARIABLE = "ATTNLAB_VECTORS"
@@ -227,7 +233,21 @@ def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | Non
     print(f"attnlab: building {what} for this environment (once) ...", end="", file=sys.stderr)
     sys.stderr.flush()
     start = time.perf_counter()
-    _wait_for_lock(build_directory(name) / "lock")
+    with _only_builder(build_directory(name)):
+        by_another = built.exists() and _load_library(built)  # built while this one waited
+        reason = None if by_another else _compile(name, source, flags)
+    if reason is not None:
+        print(" failed", file=sys.stderr)
+        return reason
+    took = f"{time.perf_counter() - start:.1f} s"
+    print(f" built by another process ({took})" if by_another else f" {took}", file=sys.stderr)
+    _LOADED[base] = built
+    return None
+
+
+def _compile(name: str, source: Path, flags: Sequence[str]) -> str | None:
+    """cpp_extension's build and load of `source` as `name`: None, or the one-line reason
+    it failed (a compile, link or load error)."""
     from torch.utils import cpp_extension
 
     try:
@@ -240,23 +260,77 @@ def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | Non
                 extra_ldflags=list(LDFLAGS),
                 is_python_module=False,
             )
-    except Exception as error:  # a failed compile, link or load: say why in one line
-        print(" failed", file=sys.stderr)
+    except Exception as error:
         return first_error(error)
-    print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    _LOADED[base] = built
     return None
 
 
-# a build takes 1 to 2 minutes on a 2-core machine: a lock older than this is a killed
-# build's (torch's FileBaton would wait for it forever)
+# The file each build holds an OS lock on (flock) in its build folder, beside cpp_extension's
+# own `lock`. cpp_extension's lock is a file that exists while a build runs, and a build that
+# is killed (SIGTERM, SIGKILL, a time limit) leaves it behind: every later process waits for it
+# forever. The OS lock goes with its process, so a process that holds it knows that no build is
+# running and that a `lock` file there is a killed build's.
+BUILDER_LOCK = "attnlab-builder.lock"
+
+
+@contextlib.contextmanager
+def _only_builder(folder: Path):
+    """Hold the build folder's OS lock for the block, waiting (and saying so) while another
+    process holds it; remove a `lock` file a killed build left. Where there is no OS lock
+    (Windows, a folder this process cannot write, a file system without locks):
+    _wait_for_lock, and cpp_extension says what else is wrong."""
+    handle = _locked(folder / BUILDER_LOCK)
+    if handle is None:
+        _wait_for_lock(folder / "lock")
+        yield
+        return
+    with handle:
+        try:
+            _remove_killed_lock(folder / "lock")
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _locked(path: Path):
+    """`path` opened and locked (flock, exclusive), after waiting for whoever holds it; None
+    where it cannot be."""
+    if fcntl is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")  # noqa: SIM115 (held by the caller's block)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(" (waiting for another process's build)", end="", file=sys.stderr)
+            sys.stderr.flush()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError:
+        handle.close()
+        return None
+    return handle
+
+
+def _remove_killed_lock(lock: Path) -> None:
+    """Remove cpp_extension's lock file, which no running build holds (the caller holds the
+    builder lock), saying so in the build's line."""
+    if lock.exists():
+        print(f" (removed the lock of a build that was stopped, {lock})", end="", file=sys.stderr)
+        lock.unlink(missing_ok=True)
+
+
+# where there is no OS lock: a build takes 1 to 2 minutes on a 2-core machine, so a lock
+# older than this is a killed build's (torch's FileBaton would wait for it forever)
 STALE_LOCK_SECONDS = 600.0
 
 
 def _wait_for_lock(lock: Path) -> None:
-    """Wait while another process builds into this folder (its lock file), and remove a
-    lock older than STALE_LOCK_SECONDS, which a killed build left behind: cpp_extension
-    would otherwise wait for it forever."""
+    """Without fcntl: wait while another process builds into this folder (its lock file),
+    and remove a lock older than STALE_LOCK_SECONDS, which a killed build left behind."""
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
