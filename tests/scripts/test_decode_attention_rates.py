@@ -7,22 +7,17 @@ run)."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import script
 
 
 @pytest.fixture(scope="module")
 def rates():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("decode_attention_rates")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    with script("decode_attention_rates") as module:
+        yield module
 
 
 def test_the_text_is_the_op_without_its_bindings_under_a_library_name_of_its_own(rates):

@@ -6,24 +6,18 @@ suite, not a later measurement. Nothing is built."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from attnlab import MultiHeadAttention
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import script
 
 
 @pytest.fixture(scope="module")
 def regions():
-    sys.path.insert(0, str(SCRIPTS))  # decode_regions imports decode_gqa beside it
-    try:
-        yield importlib.import_module("decode_regions")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    with script("decode_regions") as module:  # decode_regions imports decode_gqa beside it
+        yield module
 
 
 def test_every_place_of_the_clock_is_in_the_kernel_once(regions):

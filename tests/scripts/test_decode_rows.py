@@ -4,23 +4,16 @@ the bench's, tested in tests/bench)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import script
 
 
 @pytest.fixture(scope="module")
 def rows_script():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        yield importlib.import_module("decode_rows")
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    with script("decode_rows") as module:
+        yield module
 
 
 def test_the_rows_come_in_the_order_asked_each_context_longest_first(rows_script):
