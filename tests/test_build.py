@@ -48,6 +48,7 @@ CHANGES = {
     "machine": lambda mp, src: mp.setattr(platform, "machine", lambda: "other-machine"),
     "compiler": lambda mp, src: mp.setenv("CXX", "attnlab-other-compiler"),
     "source": lambda mp, src: src.write_text("// another kernel\n"),
+    "builders' lock": lambda mp, src: mp.setattr(_build, "BUILDER_LOCK", "another.lock"),
 }
 
 

@@ -114,7 +114,10 @@ LDFLAGS = ("-fopenmp",)
 
 
 def build_key(source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> dict[str, str]:
-    """Everything that changes the binary built from `source` with these flags."""
+    """Everything that changes the binary built from `source` with these flags, and how
+    builds share its folder: the OS lock they hold there (BUILDER_LOCK), so that an older
+    attnlab, which only waits for cpp_extension's lock file, never builds in a folder where
+    a lock file with no OS lock held beside it is taken for a killed build's."""
     compiler = cxx()
     found = shutil.which(compiler)
     return {
@@ -125,6 +128,7 @@ def build_key(source: Path, flags: Sequence[str], ldflags: Sequence[str]) -> dic
         "cflags": " ".join(flags),
         "ldflags": " ".join(ldflags),
         "source": hashlib.sha256(_source_text(source)).hexdigest(),
+        "builders": f"flock {BUILDER_LOCK}",
     }
 
 
