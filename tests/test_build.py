@@ -122,16 +122,18 @@ def test_a_lock_a_killed_build_left_is_removed_at_once_and_the_build_goes_on(
 
 # Another process's build, as far as the lock goes: it takes the builder lock, writes
 # cpp_extension's lock file, says so, then sleeps until killed or, told "finish" on stdin,
-# writes the library, removes its lock file and ends.
+# writes the library and the record that it finished, removes its lock file and ends.
 OTHER_BUILD = """
 import fcntl, pathlib, sys, time
-folder, builder_lock, library = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+folder, builder_lock, library, finished = pathlib.Path(sys.argv[1]), *sys.argv[2:5]
 handle = open(folder / builder_lock, "a")
 fcntl.flock(handle, fcntl.LOCK_EX)
 (folder / "lock").write_bytes(b"")
 print("building", flush=True)
 sys.stdin.readline()
 (folder / library).write_bytes(b"")
+status = (folder / library).stat()
+(folder / finished).write_text(f"{status.st_size} {status.st_mtime_ns}")
 (folder / "lock").unlink()
 """
 
@@ -142,6 +144,7 @@ def other_build(fake_build, source):
     name = _name(source, _build.cflags(), _build.LDFLAGS)
     folder = _build.build_directory(name)
     args = [sys.executable, "-c", OTHER_BUILD, str(folder), _build.BUILDER_LOCK, f"{name}.so"]
+    args.append(_build.FINISHED)
     process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "building\n"
     yield process
@@ -226,11 +229,93 @@ def test_a_finished_build_is_loaded_without_building(fake_build, source, capsys,
     name = _name(source, _build.cflags(), _build.LDFLAGS)
     folder = _build.build_directory(name)
     (folder / f"{name}.so").write_bytes(b"")
+    _build._mark_finished(folder / f"{name}.so")
     loaded = []
     monkeypatch.setattr(_build, "_load_library", lambda path: loaded.append(path) or True)
     assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
     assert fake_build == [] and loaded == [folder / f"{name}.so"]
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("record", ["none", "another library's"])
+def test_a_library_no_build_finished_is_built_again_never_loaded(
+    fake_build, source, monkeypatch, record
+):
+    """A build killed while it links can leave a library that crashes the process when it
+    is mapped: one without the record of a finished build (or with a record of another
+    size or time) is built again, not loaded."""
+    name = _name(source, _build.cflags(), _build.LDFLAGS)
+    library = _build.build_directory(name) / f"{name}.so"
+    library.write_bytes(b"\x7fELF half a library")
+    if record != "none":
+        (library.parent / _build.FINISHED).write_text("12 34")
+    loaded = []
+    monkeypatch.setattr(_build, "_load_library", lambda path: loaded.append(path) or True)
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert loaded == [] and len(fake_build) == 1
+    assert _build._finished(library)  # the build's own library, recorded
+
+
+@pytest.mark.skipif(_build.fcntl is None, reason="no OS lock here (fcntl)")
+def test_the_os_lock_is_held_while_cpp_extension_builds(fake_build, source, monkeypatch):
+    held = []
+
+    def load(*, name, **kwargs):  # another open of the lock file cannot take it meanwhile
+        with open(_build.build_directory(name) / _build.BUILDER_LOCK, "a") as other:
+            held.append(not _build._try_lock(other))
+        (_build.build_directory(name) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    assert held == [True]
+
+
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="no /proc to see processes in")
+def test_a_stopped_builds_compiler_still_working_in_the_folder_is_waited_for(
+    fake_build, source, capsys, no_polling
+):
+    """Python killed alone leaves its ninja and compiler running in the build folder (their
+    working directory): the lock file is removed only once they have ended."""
+    folder = _build.build_directory(_name(source, _build.cflags(), _build.LDFLAGS))
+    (folder / "lock").write_bytes(b"")
+    compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], cwd=folder)
+    start = time.perf_counter()
+    assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
+    compiler.wait()
+    err = capsys.readouterr().err
+    assert f"waiting for processes [{compiler.pid}]" in err
+    assert "removed the lock of a build that was stopped" in err
+    assert time.perf_counter() - start > 0.5 and len(fake_build) == 1
+
+
+def test_an_extensions_folder_that_cannot_hold_a_build_is_one_line(source, monkeypatch, tmp_path):
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocked / "cache"))
+    monkeypatch.setattr(_build, "_missing", lambda: None)
+    with pytest.warns(RuntimeWarning, match="its build folder cannot be made") as caught:
+        assert _build.load("attnlab_test", source, "the test kernel", "Python") is not None
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+
+
+def test_threads_computing_the_build_key_at_once_get_one_key(tmp_path):
+    """sysconfig's first read of its variables is not thread-safe (SOABI came back None in
+    one of two racing threads): a fresh process's threads all get the same key."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text("// a kernel\n")
+    code = (
+        "import sys, threading; from pathlib import Path; from attnlab import _build;"
+        "names = [];"
+        "run = lambda: names.append(_build.name_for('attnlab_test', Path(sys.argv[1])));"
+        "threads = [threading.Thread(target=run) for _ in range(8)];"
+        "[t.start() for t in threads]; [t.join() for t in threads];"
+        "print(len(set(names)), len(names))"
+    )
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(source)], capture_output=True, text=True, check=True
+        )
+        assert result.stdout.split() == ["1", "8"]
 
 
 COMPILER_OUTPUT = (

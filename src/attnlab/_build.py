@@ -34,6 +34,10 @@ import torch
 
 from attnlab import fake_ops
 
+# sysconfig reads its variables on the first call, and two threads making that call at once
+# can get None for SOABI (then two build keys, two builds): read them once, here.
+sysconfig.get_config_vars()
+
 try:  # an OS lock on the build folder, released when its process ends however it ends
     import fcntl
 except ImportError:  # Windows: the age of cpp_extension's lock file instead (_wait_for_lock)
@@ -230,16 +234,22 @@ def python_module(base: str) -> ModuleType:
 def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | None:
     flags = cflags(wide)
     name = extension_name(base, source, flags, LDFLAGS)
-    built = build_directory(name) / f"{name}.so"
-    if built.exists() and _load_library(built):
+    try:
+        folder = build_directory(name)
+    except OSError as error:  # TORCH_EXTENSIONS_DIR cannot hold a folder for it
+        return f"its build folder cannot be made: {error}"
+    built = folder / f"{name}.so"
+    if _finished(built) and _load_library(built):
         _LOADED[base] = built
         return None
     print(f"attnlab: building {what} for this environment (once) ...", end="", file=sys.stderr)
     sys.stderr.flush()
     start = time.perf_counter()
-    with _only_builder(build_directory(name)):
-        by_another = built.exists() and _load_library(built)  # built while this one waited
+    with _only_builder(folder):
+        by_another = _finished(built) and _load_library(built)  # built while this one waited
         reason = None if by_another else _compile(name, source, flags)
+        if reason is None and not by_another:
+            _mark_finished(built)
     if reason is not None:
         print(" failed", file=sys.stderr)
         return reason
@@ -247,6 +257,31 @@ def _build_and_load(base: str, source: Path, what: str, wide: bool) -> str | Non
     print(f" built by another process ({took})" if by_another else f" {took}", file=sys.stderr)
     _LOADED[base] = built
     return None
+
+
+# Beside a library that a build finished and loaded: its size and modification time. A build
+# killed while it links can leave a library that loads wrongly or crashes the process when it
+# is mapped; one that does not match this record is built again, never loaded.
+FINISHED = "attnlab-finished"
+
+
+def _stamp(library: Path) -> str:
+    status = library.stat()
+    return f"{status.st_size} {status.st_mtime_ns}"
+
+
+def _finished(library: Path) -> bool:
+    """Whether `library` is the one a build finished (FINISHED beside it records it)."""
+    try:
+        return (library.parent / FINISHED).read_text() == _stamp(library)
+    except OSError:
+        return False
+
+
+def _mark_finished(library: Path) -> None:
+    """Record `library` as finished (a folder that cannot take the record: built again)."""
+    with contextlib.suppress(OSError):
+        (library.parent / FINISHED).write_text(_stamp(library))
 
 
 def _compile(name: str, source: Path, flags: Sequence[str]) -> str | None:
@@ -272,28 +307,26 @@ def _compile(name: str, source: Path, flags: Sequence[str]) -> str | None:
 # The file each build holds an OS lock on (flock) in its build folder, beside cpp_extension's
 # own `lock`. cpp_extension's lock is a file that exists while a build runs, and a build that
 # is killed (SIGTERM, SIGKILL, a time limit) leaves it behind: every later process waits for it
-# forever. The OS lock goes with its process, so a process that holds it knows that no build is
-# running and that a `lock` file there is a killed build's.
+# forever. The OS lock goes with its process, so a process that holds it knows that no attnlab
+# process is building there. Only the ninja and compiler a killed build started may still run
+# (they outlive a Python process killed alone); they work in the folder, and are waited for.
 BUILDER_LOCK = "attnlab-builder.lock"
 
 
 @contextlib.contextmanager
 def _only_builder(folder: Path):
     """Hold the build folder's OS lock for the block, waiting (and saying so) while another
-    process holds it; remove a `lock` file a killed build left. Where there is no OS lock
-    (Windows, a folder this process cannot write, a file system without locks):
-    _wait_for_lock, and cpp_extension says what else is wrong."""
+    process holds it, and clear what a killed build left (_clear_stopped_build). Where there
+    is no OS lock (no fcntl, as on Windows; a lock file this process cannot open; a file
+    system without locks): _wait_for_lock, and cpp_extension says what else is wrong."""
     handle = _locked(folder / BUILDER_LOCK)
     if handle is None:
         _wait_for_lock(folder / "lock")
         yield
         return
-    with handle:
-        try:
-            _remove_killed_lock(folder / "lock")
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with handle:  # closing the file releases its lock
+        _clear_stopped_build(folder)
+        yield
 
 
 def _locked(path: Path):
@@ -307,24 +340,59 @@ def _locked(path: Path):
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _try_lock(handle):
             print(" (waiting for another process's build)", end="", file=sys.stderr)
             sys.stderr.flush()
             fcntl.flock(handle, fcntl.LOCK_EX)
     except OSError:
         handle.close()
         return None
+    except BaseException:  # interrupted while waiting (Ctrl-C): end the build's line
+        handle.close()
+        print(file=sys.stderr)
+        raise
     return handle
 
 
-def _remove_killed_lock(lock: Path) -> None:
-    """Remove cpp_extension's lock file, which no running build holds (the caller holds the
-    builder lock), saying so in the build's line."""
-    if lock.exists():
-        print(f" (removed the lock of a build that was stopped, {lock})", end="", file=sys.stderr)
-        lock.unlink(missing_ok=True)
+def _try_lock(handle) -> bool:
+    """flock(handle) without waiting: whether it is now held."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _clear_stopped_build(folder: Path) -> None:
+    """With the builder lock held: wait while a killed build's ninja or compiler still works
+    in `folder` (at most STALE_LOCK_SECONDS), then remove cpp_extension's lock file, which
+    no running build holds, saying both in the build's line."""
+    lock = folder / "lock"
+    if not lock.exists():
+        return
+    deadline = time.time() + STALE_LOCK_SECONDS
+    working = _working_in(folder)
+    if working:
+        print(f" (waiting for processes {working} in {folder})", end="", file=sys.stderr)
+        sys.stderr.flush()
+    while working and time.time() < deadline:
+        time.sleep(0.5)
+        working = _working_in(folder)
+    print(f" (removed the lock of a build that was stopped, {lock})", end="", file=sys.stderr)
+    lock.unlink(missing_ok=True)
+
+
+def _working_in(folder: Path) -> list[int]:
+    """The processes other than this one whose working directory is `folder` (as ninja's
+    and its compilers' are in a build folder): Linux's /proc; elsewhere none are known."""
+    target = os.path.realpath(folder)
+    working = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        pid = int(cwd.parent.name)
+        with contextlib.suppress(OSError):  # gone, or another user's
+            if pid != os.getpid() and os.readlink(cwd) == target:
+                working.append(pid)
+    return working
 
 
 # where there is no OS lock: a build takes 1 to 2 minutes on a 2-core machine, so a lock
@@ -348,10 +416,11 @@ def _wait_for_lock(lock: Path) -> None:
 
 
 def _load_library(path: Path) -> bool:
-    """Load a finished build directly (no compiler check, no ninja); False if it fails."""
+    """Load a finished build (_finished) directly (no compiler check, no ninja); False if
+    it fails."""
     try:
         torch.ops.load_library(str(path))
-    except OSError:  # an interrupted build: let cpp_extension build it again
+    except OSError:  # a library of another torch, say: let cpp_extension build it again
         return False
     return True
 
