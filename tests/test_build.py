@@ -272,20 +272,27 @@ def test_the_os_lock_is_held_while_cpp_extension_builds(fake_build, source, monk
 
 @pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="no /proc to see processes in")
 def test_a_stopped_builds_compiler_still_working_in_the_folder_is_waited_for(
-    fake_build, source, capsys, no_polling
+    fake_build, source, capsys, monkeypatch, no_polling
 ):
     """Python killed alone leaves its ninja and compiler running in the build folder (their
-    working directory): the lock file is removed only once they have ended."""
+    working directory): the lock file is removed, and the build starts, only once they have
+    ended."""
     folder = _build.build_directory(_name(source, _build.cflags(), _build.LDFLAGS))
-    (folder / "lock").write_bytes(b"")
+    lock = folder / "lock"
+    lock.write_bytes(b"")
     compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], cwd=folder)
-    start = time.perf_counter()
+    seen_at_build = []  # (compiler ended, lock file there) when the build starts
+
+    def load(**kwargs):
+        seen_at_build.append((compiler.poll() is not None, lock.exists()))
+
+    monkeypatch.setattr(cpp_extension, "load", load)
     assert _build.load("attnlab_test", source, "the test kernel", "Python") is None
     compiler.wait()
     err = capsys.readouterr().err
     assert f"waiting for processes [{compiler.pid}]" in err
     assert "removed the lock of a build that was stopped" in err
-    assert time.perf_counter() - start > 0.5 and len(fake_build) == 1
+    assert seen_at_build == [(True, False)]
 
 
 def test_an_extensions_folder_that_cannot_hold_a_build_is_one_line(source, monkeypatch, tmp_path):
