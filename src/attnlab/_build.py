@@ -334,8 +334,7 @@ def _locked(path: Path):
     where it cannot be."""
     if fcntl is None:
         return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # (build_directory made the folder)
         handle = open(path, "a")  # noqa: SIM115 (held by the caller's block)
     except OSError:
         return None
@@ -401,8 +400,9 @@ STALE_LOCK_SECONDS = 600.0
 
 
 def _wait_for_lock(lock: Path) -> None:
-    """Without fcntl: wait while another process builds into this folder (its lock file),
-    and remove a lock older than STALE_LOCK_SECONDS, which a killed build left behind."""
+    """Where there is no OS lock (_only_builder): wait while another process builds into
+    this folder (its lock file), and remove a lock older than STALE_LOCK_SECONDS, which a
+    killed build left behind."""
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
