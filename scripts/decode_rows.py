@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from decode_gqa import DTYPES, _ints
 
 from attnlab.bench import decode
 from attnlab.bench.decode import GPT2_SMALL
@@ -30,7 +31,6 @@ from attnlab.bench.decode import GPT2_SMALL
 # the narrower caches and float32 at batch 1
 DEFAULT_ROWS = "1:8:float32,1:1:int8,4:8:float32,4:1:int8,1:1:bfloat16,4:1:bfloat16"
 DEFAULT_ROWS += ",1:1:float32,4:1:float32"
-CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 def parse_rows(text: str) -> list[tuple[int, int, torch.dtype]]:
@@ -38,9 +38,9 @@ def parse_rows(text: str) -> list[tuple[int, int, torch.dtype]]:
     rows = []
     for item in text.split(","):
         kv, batch, cache = item.split(":")
-        if cache not in CACHE_DTYPES:
-            raise SystemExit(f"--rows: cache dtype {cache!r} is not one of {list(CACHE_DTYPES)}")
-        rows.append((int(kv), int(batch), CACHE_DTYPES[cache]))
+        if cache not in DTYPES:
+            raise SystemExit(f"--rows: cache dtype {cache!r} is not one of {list(DTYPES)}")
+        rows.append((int(kv), int(batch), DTYPES[cache]))
     return rows
 
 
@@ -85,12 +85,11 @@ def describe(row: decode.CacheRow) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="kv:batch:cache,... in order")
-    parser.add_argument("--contexts", default="256,1024,4096")
+    parser.add_argument("--contexts", type=_ints, default=[256, 1024, 4096])
     args = parser.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
     start = time.perf_counter()
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}", flush=True)
-    for row in measure(parse_rows(args.rows), contexts):
+    for row in measure(parse_rows(args.rows), args.contexts):
         print(f"{describe(row)} [{time.perf_counter() - start:.0f} s]", flush=True)
 
 
