@@ -17,7 +17,8 @@ venv=${ATTNLAB_NEWEST_VENV:-/tmp/attnlab-newest}
 spec=${TORCH_SPEC:-torch}
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install --quiet --upgrade "$spec"
+# no copy of the multi-GB wheels in pip's cache
+"$venv/bin/pip" install --quiet --no-cache-dir --upgrade "$spec"
 # torch is installed first, so attnlab's requirement (torch>=2.13) keeps it
 "$venv/bin/pip" install --quiet -e '.[test,hf,onnx,docs]'
 version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
