@@ -395,9 +395,10 @@ def _cache_row(modules, caches, context, probes, min_run_time, rounds) -> CacheR
     )
 
 
-def _floor(module: MultiHeadAttention, context: int, bandwidth: float) -> float:
+def _floor(module: MultiHeadAttention, context: int, bandwidth: float, batch: int = 1) -> float:
+    """The memory floor of a float32-cache step: the weights once, each sequence's cache."""
     dtype = module.out_proj.weight.dtype
-    return (_weight_bytes(module) + _cache_bytes_read(module, context, dtype)) / bandwidth
+    return (_weight_bytes(module) + batch * _cache_bytes_read(module, context, dtype)) / bandwidth
 
 
 def layout(module: MultiHeadAttention) -> str:
