@@ -281,11 +281,6 @@ def _measured(candidates: dict, probes, min_run_time: float, rounds: int, device
     return times, read_bytes / times["read"], matmul_flops / times["matmul"]
 
 
-def _cache_bytes_read(module: MultiHeadAttention, tokens: int, dtype: torch.dtype) -> int:
-    """Keys and values of `tokens` positions, read once by a decode step."""
-    return 2 * tokens * module.kv_dim * dtype.itemsize
-
-
 def stack_step(modules, caches, x: torch.Tensor, context: int, layer=None):
     """A call that decodes x (b, 1, d) at position context - 1 through every layer of the
     stack, each cache cropped to context - 1 tokens first (the timed step); `layer(module,
@@ -379,14 +374,13 @@ def _cache_row(modules, caches, context, probes, min_run_time, rounds) -> CacheR
         {"cached": every_layer}, probes, min_run_time, rounds, x.device
     )
     cache_dtype = caches[0].dtype
-    per_token = first.make_cache(1, 1, dtype=cache_dtype).nbytes
     return CacheRow(
         layout(first),
         first.num_kv_heads,
-        per_token,
+        _cache_bytes_per_token(first, cache_dtype),
         cached_s=times["cached"] / len(modules),
         read_bytes_per_s=bandwidth,
-        memory_floor_s=(_weight_bytes(first) + batch * context * per_token) / bandwidth,
+        memory_floor_s=_floor(first, context, bandwidth, batch, cache_dtype),
         compute_floor_s=batch * flops_per_sequence(first, context) / rate,
         flops_per_s=rate,
         batch=batch,
@@ -395,10 +389,22 @@ def _cache_row(modules, caches, context, probes, min_run_time, rounds) -> CacheR
     )
 
 
-def _floor(module: MultiHeadAttention, context: int, bandwidth: float, batch: int = 1) -> float:
-    """The memory floor of a float32-cache step: the weights once, each sequence's cache."""
-    dtype = module.out_proj.weight.dtype
-    return (_weight_bytes(module) + batch * _cache_bytes_read(module, context, dtype)) / bandwidth
+def _cache_bytes_per_token(module: MultiHeadAttention, dtype: torch.dtype | None) -> int:
+    """A cached position's keys and values (and an int8 cache's scales), in bytes."""
+    return module.make_cache(1, 1, dtype=dtype).nbytes
+
+
+def _floor(
+    module: MultiHeadAttention,
+    context: int,
+    bandwidth: float,
+    batch: int = 1,
+    cache_dtype: torch.dtype | None = None,
+) -> float:
+    """A step's memory floor: the weights read once, each sequence's `context` cached
+    positions once (a cache in the module's dtype unless `cache_dtype`)."""
+    cache_bytes = batch * context * _cache_bytes_per_token(module, cache_dtype)
+    return (_weight_bytes(module) + cache_bytes) / bandwidth
 
 
 def layout(module: MultiHeadAttention) -> str:
