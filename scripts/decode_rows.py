@@ -58,17 +58,16 @@ def measure(
     """Yield each row's CacheRow per context (longest first, as the bench measures them)."""
     cpu = torch.device("cpu")
     probes = decode.bandwidth_probe(cpu, read_bytes), decode.matmul_probe(cpu, torch.float32)
-    stacks: dict[int, list] = {}
-    longest = max(contexts)
+    stack, stack_kv = None, None
     for kv, batch, cache_dtype in rows:
-        if kv not in stacks:
-            stacks.clear()  # one stack's weights at a time
+        if kv != stack_kv:
+            stack = None  # one stack's weights at a time
             torch.manual_seed(0)
-            stacks[kv] = decode._stack(d_model, num_heads, kv, longest, torch.float32, layers)
-        caches = decode._filled_caches(stacks[kv], batch, longest, cache_dtype)
-        for context in sorted(contexts, reverse=True):  # crop() only goes back
-            yield decode._cache_row(stacks[kv], caches, context, probes, min_run_time, rounds)
-        del caches
+            stack = decode._stack(d_model, num_heads, kv, max(contexts), torch.float32, layers)
+            stack_kv = kv
+        yield from decode.layout_rows(
+            stack, batch, cache_dtype, contexts, probes, min_run_time, rounds
+        )
 
 
 def describe(row: decode.CacheRow) -> str:

@@ -203,14 +203,17 @@ def run_decode(
         grouped = grouped or _stack(d_model, num_heads, heads, max(contexts), dtype, layers, device)
         for batch, cache_dtype in kinds:
             progress(f"{heads} key/value heads, batch {batch}, {cache_dtype}")
-            caches = _filled_caches(grouped, batch, max(contexts), cache_dtype)
-            rows = [  # longest first: crop() only goes back
-                _cache_row(grouped, caches, context, probes, min_run_time, rounds)
-                for context in sorted(contexts, reverse=True)
-            ]
+            rows = layout_rows(grouped, batch, cache_dtype, contexts, probes, min_run_time, rounds)
             report.cache_rows.extend(sorted(rows, key=lambda row: row.context))
-            del caches
     return report
+
+
+def layout_rows(modules, batch, cache_dtype, contexts, probes, min_run_time, rounds):
+    """Yield the steps table's row of each context for one stack, batch and cache dtype,
+    longest first (the caches are filled once and cropped back: crop() only goes back)."""
+    caches = _filled_caches(modules, batch, max(contexts), cache_dtype)
+    for context in sorted(contexts, reverse=True):
+        yield _cache_row(modules, caches, context, probes, min_run_time, rounds)
 
 
 def _default_kv_heads(num_heads: int) -> list[int]:
