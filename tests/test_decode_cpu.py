@@ -1,7 +1,9 @@
 """The native decode step (attnlab.decode_cpu) and the narrower caches (bfloat16, int8):
 token-by-token decoding equals the full forward on every head layout (float32: 1e-5;
 bfloat16/int8: within their storage error), the native step equals the Python path it
-replaces, and the cache contract (rollback, crop, reset, refusals) holds for every dtype."""
+replaces, and the cache contract (rollback, crop, reset, refusals) holds for every dtype;
+the op's other two faces (linear_rows, latent_step) equal float64 references and refuse by
+name what they cannot read."""
 
 import os
 import subprocess
@@ -551,7 +553,8 @@ def test_the_other_builds_pass_the_native_tests_too(vectors):
     floats, 6 heads), which AVX2-only CPUs get, and the AVX-512 build without the products,
     which AVX-512 CPUs without AVX512_BF16 get, are built and run through the native tests
     here as well (ATTNLAB_VECTORS=avx2, avx512)."""
-    tests = "model_sized or equals_the_python_path or attends_to_the_tokens or strided"
+    tests = "model_sized or equals_the_python_path or attends_to_the_tokens or strided or latent"
+    tests += " or linear_rows"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
         env={**os.environ, _build.VECTORS_VARIABLE: vectors},
@@ -721,3 +724,133 @@ def test_native_decoding_of_every_named_layout_equals_the_full_forward(
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(decoded, full, rtol=tolerance, atol=tolerance)
     assert cache.position == 90 and cache.rolling == (window is not None)
+
+
+@st.composite
+def latent_steps(draw):
+    """Shapes of a latent step: up to 600 rows (several chunks per sequence), any widths."""
+    b, h = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    dn, dr, dv, r = (draw(st.integers(lo, hi)) for lo, hi in [(0, 5), (0, 5), (1, 5), (1, 40)])
+    count = draw(st.integers(1, 600))
+    capacity = count + draw(st.integers(0, 5))
+    return dict(seed=draw(st.integers(0, 2**31 - 1)), b=b, h=h, dn=dn, dr=dr, dv=dv, r=r,
+                count=count, capacity=capacity, scale=draw(st.floats(0.05, 2.0)))  # fmt: skip
+
+
+def latent_reference(q_nope, q_rope, rows, w, count, scale):
+    """Multi-head latent attention's absorbed step in float64 from its definition: each
+    head's query folded through its dn key rows of w, softmax over the held rows, their
+    latents weighted, then the head's dv value rows. No attnlab code."""
+    _, h, dn = q_nope.shape
+    r = w.shape[1]
+    w = w.double().view(h, -1, r)  # (h, dn + dv, r)
+    held = rows[:, :count].double()  # (b, count, r + dr)
+    q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope.double(), w[:, :dn]), q_rope.double()], -1)
+    weights = torch.softmax(torch.einsum("bhc,btc->bht", q, held) * scale, dim=-1)
+    latent = torch.einsum("bht,btr->bhr", weights, held[..., :r])  # (b, h, r)
+    return torch.einsum("bhr,hvr->bhv", latent, w[:, dn:])  # (b, h, dv)
+
+
+def latent_inputs(c):
+    torch.manual_seed(c["seed"])
+    b, h = c["b"], c["h"]
+    q_nope, q_rope = torch.randn(b, h, c["dn"]), torch.randn(b, h, c["dr"])
+    rows = torch.randn(b, c["capacity"], c["r"] + c["dr"])
+    w = torch.randn(h * (c["dn"] + c["dv"]), c["r"]) / c["r"] ** 0.5
+    return q_nope, q_rope, rows, w
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@settings(max_examples=40, deadline=None)
+@given(latent_steps())
+def test_the_latent_step_equals_float64_attention_over_the_held_rows(c):
+    q_nope, q_rope, rows, w = latent_inputs(c)
+    before = rows.clone()
+    got = decode_cpu.latent_step(q_nope, q_rope, rows, w, c["count"], c["scale"])
+    expected = latent_reference(q_nope, q_rope, rows, w, c["count"], c["scale"])
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(rows, before)  # read, never written
+
+
+def _latent_refusals():
+    q_nope, q_rope, rows, w = (
+        torch.randn(1, 2, 3),
+        torch.randn(1, 2, 4),
+        torch.randn(1, 9, 12),
+        torch.randn(2 * 5, 8),
+    )
+    good = dict(q_nope=q_nope, q_rope=q_rope, rows=rows, weight=w, count=9, scale=0.5)
+    bad = {
+        "q_nope float64": (dict(q_nope=q_nope.double()), "q_nope must be float32"),
+        "q_nope 2-D": (dict(q_nope=q_nope[0]), "q_nope must be .b, heads, dn."),
+        "q_rope heads": (dict(q_rope=torch.randn(1, 3, 4)), "q_rope must be"),
+        "rows strided": (
+            dict(rows=torch.randn(1, 12, 9).transpose(1, 2)),
+            "rows must be contiguous",
+        ),
+        "rows batch": (dict(rows=torch.randn(2, 9, 12)), "rows must be"),
+        "rows no latent": (dict(rows=torch.randn(1, 9, 4)), "rows must be"),
+        "w rows": (dict(weight=torch.randn(7, 8)), "w must be"),
+        "w width": (dict(weight=torch.randn(10, 9)), "w must be"),
+        "w no values": (dict(weight=torch.randn(6, 8)), "w must be"),
+        "count 0": (dict(count=0), "count .0. must be in"),
+        "count past": (dict(count=10), "count .10. must be in"),
+        "scale 0": (dict(scale=0.0), "scale"),
+        "scale nan": (dict(scale=float("nan")), "scale"),
+        "scale past float32": (dict(scale=1e39), "scale"),
+        "meta rows": (dict(rows=rows.to("meta")), "rows is on meta"),
+        "negated view": (dict(weight=torch._neg_view(w)), "w is a lazily negated"),
+    }
+    return [(name, {**good, **change}, match) for name, (change, match) in bad.items()]
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"), _latent_refusals(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_the_latent_step_refuses_what_it_cannot_read_by_name(name, kwargs, match):
+    with pytest.raises(RuntimeError, match=f"latent_step: {match}"):
+        decode_cpu.latent_step(**kwargs)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+def test_a_latent_step_past_float32_is_none():
+    q_nope, q_rope, rows, w = latent_inputs(
+        dict(seed=1, b=1, h=2, dn=3, dr=2, dv=2, r=4, capacity=5)
+    )
+    assert decode_cpu.latent_step(q_nope * 1e30, q_rope, rows, w * 1e10, 5, 1.0) is None
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1), rows=st.integers(0, 40), in_features=st.integers(1, 300),
+    out_features=st.integers(1, 70), bias=st.booleans(),
+)  # fmt: skip
+def test_linear_rows_equals_float64_linear(seed, rows, in_features, out_features, bias):
+    torch.manual_seed(seed)
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    b = torch.randn(out_features) if bias else None
+    got = decode_cpu.linear_rows(x, w, b)
+    expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@pytest.mark.parametrize(
+    ("x", "w", "bias", "match"),
+    [
+        (torch.randn(2, 3, dtype=torch.float64), torch.randn(4, 3), None, "x must be float32"),
+        (torch.randn(3, 2).t(), torch.randn(4, 3), None, "x must be contiguous"),
+        (torch.randn(1, 2, 3), torch.randn(4, 3), None, "x must be .rows, in."),
+        (torch.randn(2, 3), torch.randn(4), None, "w must be .out, in."),
+        (torch.randn(2, 3), torch.randn(4, 5), None, "x's last dimension .3. must be w's in .5."),
+        (torch.randn(2, 3), torch.randn(4, 3), torch.randn(3), "bias must be of shape"),
+        (torch.randn(2, 3), torch.randn(4, 3), torch.randn(4).to("meta"), "bias is on meta"),
+        (torch.randn(2, 3), torch.randn(0, 3), None, "w must be .out, in. with out >= 1"),
+    ],
+)
+def test_linear_rows_refuses_what_it_cannot_read_by_name(x, w, bias, match):
+    with pytest.raises(RuntimeError, match=f"linear_rows: {match}"):
+        decode_cpu.linear_rows(x, w, bias)

@@ -1,13 +1,15 @@
 """attnlab.matvec.linear, as attnlab.plan.project takes it: the blocked matrix product for a
-few rows equals the layer's own forward, values and gradients, and steps aside for layers it
-must not bypass (hooks local or global, forward or backward; subclasses)."""
+few rows, or the native projection kernel where no gradient is wanted, equals the layer's own
+forward, values and gradients, and steps aside for layers it must not bypass (hooks local or
+global, forward or backward; subclasses)."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab import matvec, plan
+from attnlab import decode_cpu, matvec, plan
 
 
 def project(x, layer):
@@ -94,3 +96,41 @@ def test_a_bias_of_the_wrong_shape_is_not_broadcast():
     layer = nn.Linear(8, 12)
     layer.bias = nn.Parameter(torch.randn(4))
     assert not plan.blocked_projection(torch.randn(6, 8), layer, (12, 8))
+
+
+def _native_calls(monkeypatch):
+    calls = []
+    original = decode_cpu.linear_rows
+    monkeypatch.setattr(
+        decode_cpu, "linear_rows", lambda *a: calls.append(a[0].shape) or original(*a)
+    )
+    return calls
+
+
+@pytest.mark.skipif(not decode_cpu.available(), reason="the native decode step is unavailable")
+@pytest.mark.parametrize("loaded", [True, False])
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_native_product_is_taken_without_gradients_once_loaded(loaded, grad, monkeypatch):
+    """No gradient wanted and the extension loaded: decode_cpu.linear_rows; else the blocked
+    batched product, which autograd records. Both equal F.linear."""
+    calls = _native_calls(monkeypatch)
+    monkeypatch.setattr(decode_cpu, "loaded", lambda: loaded)
+    layer = nn.Linear(20, 12)
+    x = torch.randn(3, 5, 20)
+    with torch.set_grad_enabled(grad):
+        got = project(x, layer)
+    assert len(calls) == (loaded and not grad)
+    assert got.requires_grad is grad
+    torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not decode_cpu.available(), reason="the native decode step is unavailable")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes_take_the_batched_product(dtype, monkeypatch):
+    calls = _native_calls(monkeypatch)
+    layer = nn.Linear(8, 8).to(dtype)
+    x = torch.randn(2, 8, dtype=dtype)
+    with torch.no_grad():
+        got = project(x, layer)
+        torch.testing.assert_close(got, layer(x))
+    assert calls == []

@@ -3,7 +3,8 @@
 by both paths (expanded keys and values, or attention absorbed into the latent space); a
 cached decode in any chunks equal to the full forward; the absorbed path the default
 exactly where it does fewer multiply-adds; checks at the door that leave the cache as it
-was; no value read off the CPU (meta tensors)."""
+was; no value read off the CPU (meta tensors); the native CPU step (decode_cpu.latent_step)
+taken exactly where it applies, equal to the reference and to the Python path."""
 
 import copy
 import math
@@ -11,11 +12,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab import debug, functional
+from attnlab import debug, decode_cpu, functional
 from attnlab.latent_cache import LatentCache
 from attnlab.mla import MultiHeadLatentAttention, mscale_factor
 from tests.definitions import reference, rope_reference
@@ -295,15 +296,21 @@ def test_deepseek_v3_heads_cross_over_at_170_queries():
 
 
 def _keys_per_call(monkeypatch):
-    """The key heads functional.attend gets on each call: 1 absorbed, num_heads expanded."""
+    """The key heads functional.attend gets on each call: 1 absorbed, num_heads expanded;
+    "native" for a call decode_cpu.latent_step computes (absorbed, in C++)."""
     heads = []
-    original = functional.attend
+    original, native = functional.attend, decode_cpu.latent_step
 
     def spy(q, k, v, **kwargs):
         heads.append(k.shape[1])
         return original(q, k, v, **kwargs)
 
+    def native_spy(*args):
+        heads.append("native")
+        return native(*args)
+
     monkeypatch.setattr(functional, "attend", spy)
+    monkeypatch.setattr(decode_cpu, "latent_step", native_spy)
     return heads
 
 
@@ -316,7 +323,98 @@ def test_a_decode_step_absorbs_and_a_full_forward_expands_by_default(monkeypatch
         m(torch.randn(1, 20, 16), cache=cache)
         m(torch.randn(1, 1, 16), cache=cache)
         m(torch.randn(1, 20, 16))
-    assert heads == [4, 1, 4]
+    assert heads == [4, "native" if decode_cpu.available() else 1, 4]
+
+
+NATIVE = decode_cpu.available()
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@settings(max_examples=30, deadline=None)
+@given(mla_configs(), st.integers(0, 4))
+def test_a_native_decode_equals_the_float64_reference_and_the_python_path(c, prompt):
+    """A prompt, then one token per call, absorbed: the one-token calls go to
+    decode_cpu.latent_step and equal the float64 reference and the same decode with the
+    extension taken away (the Python absorbed path)."""
+    m, x, _ = build(c)
+    prompt = min(prompt, c["tokens"] - 1)
+    expected = mla_reference(m, x, torch.ones(c["tokens"], c["tokens"]).tril().bool())
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        steps = _keys_per_call(patch)
+        native = decode(m, x, None, [prompt or 1, 1], absorb=True)
+        one_token_calls = c["tokens"] - (prompt if prompt > 1 else 0)
+        assert steps.count("native") == one_token_calls
+        patch.setattr(decode_cpu, "loaded", lambda: False)
+        python = decode(m, x, None, [prompt or 1, 1], absorb=True)
+        assert steps.count("native") == one_token_calls  # none more
+    torch.testing.assert_close(native.double(), expected, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(native, python, rtol=1e-5, atol=1e-5)
+
+
+class _Counting(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _native_cases():
+    """Calls a native step must not compute (each with what makes it so), and one it must."""
+
+    def grad(m, x, cache):
+        m.requires_grad_(True)
+        return m(x, cache=cache)
+
+    def function_mode(m, x, cache):
+        with _Counting():
+            return m(x, cache=cache)
+
+    def autocast(m, x, cache):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x, cache=cache)
+
+    def forward_ad(m, x, cache):
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(x, torch.randn_like(x))
+            out = m(dual, cache=cache)
+            assert torch.autograd.forward_ad.unpack_dual(out).tangent is not None
+            return torch.autograd.forward_ad.unpack_dual(out).primal
+
+    def mask(m, x, cache):
+        return m(x, cache=cache, mask=torch.ones(1, 6, dtype=torch.bool))
+
+    plain = (lambda m, x, cache: m(x, cache=cache), None, 2e-5)
+    return {  # call, cache dtype, tolerance against float64; taken or not
+        "no gradient, float32": (*plain, True),
+        "gradients recorded": (grad, None, 2e-5, False),
+        "need_weights": (
+            lambda m, x, cache: m(x, cache=cache, need_weights=True)[0],
+            None,
+            2e-5,
+            False,
+        ),
+        "a mask": (mask, None, 2e-5, False),
+        "a bfloat16 cache": (plain[0], torch.bfloat16, 2e-2, False),
+        "a function mode": (function_mode, None, 2e-5, False),
+        "absorb=False": (lambda m, x, cache: m(x, cache=cache, absorb=False), None, 2e-5, False),
+        "autocast": (autocast, None, 5e-2, False),
+        "a forward-mode tangent": (forward_ad, None, 2e-5, False),
+    }
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
+@pytest.mark.parametrize("case", _native_cases().values(), ids=_native_cases().keys())
+def test_the_native_step_is_taken_only_where_it_applies(case, monkeypatch):
+    call, cache_dtype, tolerance, native = case
+    torch.manual_seed(9)
+    m = MultiHeadLatentAttention(16, 4, None, 32, 8, 4, 8, 64).eval().requires_grad_(False)
+    steps = _keys_per_call(monkeypatch)
+    cache = m.make_cache(1, dtype=cache_dtype)
+    x = torch.randn(1, 6, 16)
+    m(x[:, :5], cache=cache)
+    steps.clear()
+    out = call(m, x[:, 5:], cache)
+    assert ("native" in steps) is native
+    expected = mla_reference(m, x, torch.ones(6, 6).tril().bool())[:, 5:]
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_a_hooked_kv_b_proj_is_called_not_read(monkeypatch):

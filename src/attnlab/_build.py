@@ -215,6 +215,11 @@ def _missing() -> str | None:
 _LOADED: dict[str, Path] = {}
 
 
+def is_loaded(base: str) -> bool:
+    """Whether `load` has loaded the extension `base` in this process (never builds)."""
+    return base in _LOADED
+
+
 def python_module(base: str) -> ModuleType:
     """The Python module of the loaded extension `base` (its PYBIND11_MODULE: functions
     bound directly, without torch.ops' schema parsing), imported from the library `load`

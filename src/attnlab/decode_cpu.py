@@ -62,6 +62,54 @@ def available() -> bool:
     return load_error() is None
 
 
+def loaded() -> bool:
+    """True when the kernel is already built and loaded; unlike `available`, never starts a
+    build (a few rows through attnlab.matvec take it only once decoding has built it)."""
+    return _build.is_loaded(_NAME) and load_error() is None
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, in) @ weight (out, in)^T + bias through the step's projection kernel, which
+    reads each weight row once for all the rows; float32, contiguous, on the CPU, the
+    extension loaded (its own checks refuse anything else with a RuntimeError).
+
+    Returns:
+        (rows, out), a new tensor; no autograd history (the caller needs none).
+    """
+    return binding().linear_rows(x, weight, EMPTY if bias is None else bias)
+
+
+def latent_step(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    count: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """Multi-head latent attention's absorbed step for one token per sequence (attnlab.mla):
+    each head's query folded through kv_b_proj's key rows, its scores against the first
+    `count` held rows, their latents weighted, and kv_b_proj's value rows applied; each
+    sequence's rows read once for a group of heads. Float32, contiguous, on the CPU, the
+    extension loaded (its own checks refuse anything else with a RuntimeError).
+
+    Args:
+        q_nope: (b, h, dn) the queries' features without positions.
+        q_rope: (b, h, dr) their rotary features, rotated.
+        rows: (b, capacity, r + dr) a LatentCache's buffer (each row its latent, then its
+            rotary key).
+        weight: kv_b_proj's weight (h (dn + dv), r).
+        count: the rows held, the new token's included.
+        scale: the softmax scale.
+
+    Returns:
+        (b, h, dv), each head's output before o_proj, or None where it is not finite (float32
+        overflowed: the caller's own path then computes or names it).
+    """
+    out = binding().latent_step(q_nope, q_rope, rows, weight, count, scale)
+    return out if out.numel() else None
+
+
 def bfloat16_products() -> bool:
     """Whether this build's step multiplies an int8 or bfloat16 cache in bfloat16 where a
     key/value head serves several query heads (AVX512_BF16: the queries and the softmax

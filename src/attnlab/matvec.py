@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlab import debug, decode_cpu
+
 _BLOCKS = 4  # blocks of weight rows, one batched matrix product each
 # torch's own batched products, not the names torch.bmm / torch.baddbmm (which a user may
 # patch): this module stands for F.linear, which never calls them
@@ -24,9 +26,14 @@ _MAX_ROWS = 32  # beyond this, the GEMM path is as fast
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (..., in), weight (out, in) contiguous with out a
-    multiple of 4 and bias None or (out,), by blocks of weight rows (helps says when)."""
+    multiple of 4 and bias None or (out,), by blocks of weight rows (helps says when); by
+    the native decode step's projection kernel where it applies (_native_takes)."""
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
+    if _native_takes(x, weight, bias):
+        flat = x.reshape(rows, in_features).contiguous()  # (m, in)
+        y = decode_cpu.linear_rows(flat, weight, bias)  # (m, out)
+        return y.view(*x.shape[:-1], out_features)  # (..., out)
     flat = x.reshape(1, rows, in_features).expand(_BLOCKS, rows, in_features)  # (p, m, in)
     blocks = weight.view(_BLOCKS, out_features // _BLOCKS, in_features)  # (p, out/p, in)
     if bias is None:
@@ -34,6 +41,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     else:
         y = _BADDBMM(bias.view(_BLOCKS, 1, -1), flat, blocks.transpose(1, 2))
     return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (p, m, out/p) -> (..., out)
+
+
+def _native_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the native kernel computes this product: float32 throughout, no gradient
+    wanted (it records no autograd history, forward-mode tangents included), no autocast
+    (which would cast F.linear's inputs), no lazily negated x (its memory is not its
+    values), and the extension already loaded (a cache made for decoding builds it; a few
+    rows never start a 15 s build)."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if any(t.dtype != torch.float32 for t in tensors) or not weight.is_contiguous():
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if x.is_neg() or torch.is_autocast_enabled(x.device.type) or debug.under_transform():
+        return False
+    return (bias is None or bias.is_contiguous()) and decode_cpu.loaded()
 
 
 def few_rows(x: torch.Tensor) -> bool:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab import debug, functional, plan
+from attnlab import debug, decode_cpu, functional, plan
 from attnlab import rope_scaling as rope_scaling_
 from attnlab._validate import (
     check_bool,
@@ -290,6 +290,8 @@ class MultiHeadLatentAttention(nn.Module):
                 f"max_tokens ({max_tokens}) is past context_length ({self.context_length}): "
                 f"the module takes no position beyond it"
             )
+        if dtype == torch.float32 and torch.device(device).type == "cpu":
+            decode_cpu.available()  # decoding starts: build the kernel matvec's rows take
         return LatentCache(
             batch_size,
             max_tokens,
@@ -456,16 +458,50 @@ class MultiHeadLatentAttention(nn.Module):
             need_weights=need_weights,
             backend="auto",
         )
-        if absorbed:
+        result = None  # None until a path computes it: float32 overflow passes it on
+        if absorbed and tq == 1 and self._native_step(options, cache, (q_nope, q_rope)):
+            result = self._attend_native(q_nope, q_rope, cache)
+        if absorbed and result is None:
             if rows is None:
                 rows = torch.cat([latent, k_rope], dim=-1)  # (b, tk, r + dr)
             result = self._attend_absorbed(q_nope, q_rope, rows, options)
-        if not absorbed or result is None:  # None: q_nope W_UK overflowed q's dtype
+        if result is None:  # not absorbed, or q_nope W_UK overflowed q's dtype
             result = self._attend_expanded(q_nope, q_rope, latent, k_rope, options)
         out, weights = result if need_weights else (result, None)  # (b, h, tq, dv)
         out = out.transpose(1, 2).reshape(b, tq, self.num_heads * self.v_head_dim)  # (b, tq, h dv)
-        out = self.o_proj(out)  # (b, tq, d_model)
+        o_shape = (self.d_model, self.num_heads * self.v_head_dim)
+        out = plan.project(out, self.o_proj, o_shape)  # (b, tq, d_model)
         return (out, weights) if need_weights else out
+
+    def _native_step(self, options: dict, cache: LatentCache | None, queries: tuple) -> bool:
+        """Whether decode_cpu.latent_step computes this absorbed call: one token per
+        sequence (the caller's) against a float32 CPU cache, float32 queries, no mask,
+        weights, dropout, autocast or gradient wanted (forward-mode tangents included), no
+        function or dispatch mode, the extension built (make_cache builds it). The absorbed
+        path's own conditions (kv_b_proj plain) hold already."""
+        if cache is None or options["mask"] is not None or options["need_weights"]:
+            return False
+        rows = cache.rows
+        if type(rows) is not torch.Tensor or rows.dtype != torch.float32 or not rows.is_cpu:
+            return False
+        read = (*queries, self.kv_b_proj.weight, rows)  # what the step reads
+        if any(t.dtype != torch.float32 for t in read) or torch.is_autocast_enabled("cpu"):
+            return False
+        if debug.under_transform():  # a forward-mode tangent the step would drop
+            return False
+        if options["dropout_p"] or (torch.is_grad_enabled() and any(t.requires_grad for t in read)):
+            return False
+        return plan.no_active_modes() and decode_cpu.loaded()
+
+    def _attend_native(self, q_nope, q_rope, cache):
+        """decode_cpu.latent_step on the cache's rows: (b, h, 1, dv), or None where float32
+        overflowed."""
+        b, h, tq, _ = q_nope.shape
+        nope = q_nope.reshape(b, h, self.qk_nope_head_dim).contiguous()  # (b, h, dn)
+        rope = q_rope.reshape(b, h, self.qk_rope_head_dim).contiguous()  # (b, h, dr)
+        weight = self.kv_b_proj.weight  # (h (dn + dv), r)
+        out = decode_cpu.latent_step(nope, rope, cache.rows, weight, cache.position, self.scale)
+        return None if out is None else out.view(b, h, tq, self.v_head_dim)  # (b, h, 1, dv)
 
     def _attend_expanded(self, q_nope, q_rope, latent, k_rope, options):
         """Every held latent (b, tk, r) through kv_b_proj: per-head keys and values, each
@@ -503,20 +539,24 @@ class MultiHeadLatentAttention(nn.Module):
     def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's query split (b, h, tq, dn), (b, h, tq, dr)."""
         b, tq, _ = x.shape
+        # plan.project: a pristine layer computed by attnlab.matvec for a few rows, else called
         if self.q_lora_rank is None:
-            q = self.q_proj(x)  # (b, tq, h (dn + dr))
+            q = plan.project(x, self.q_proj, (self.q_width, self.d_model))  # (b, tq, h (dn + dr))
         else:
-            q = self.q_a_proj(x)  # (b, tq, q_lora_rank)
+            rank = self.q_lora_rank
+            q = plan.project(x, self.q_a_proj, (rank, self.d_model))  # (b, tq, q_lora_rank)
             if self.q_a_layernorm is not None:
                 q = self.q_a_layernorm(q)
-            q = self.q_b_proj(q)  # (b, tq, h (dn + dr))
+            q = plan.project(q, self.q_b_proj, (self.q_width, rank))  # (b, tq, h (dn + dr))
         q = q.view(b, tq, self.num_heads, self.qk_head_dim).transpose(1, 2)  # (b, h, tq, dn + dr)
         return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
     def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The normalised latent (b, tq, r) and the rotary key, unrotated, (b, 1, tq, dr)."""
         b, tq, _ = x.shape
-        compressed = self.kv_a_proj_with_mqa(x)  # (b, tq, r + dr)
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        kv_a = self.kv_a_proj_with_mqa
+        compressed = plan.project(x, kv_a, (width, self.d_model))  # (b, tq, r + dr)
         latent, k_rope = compressed.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         if self.kv_a_layernorm is not None:
             latent = self.kv_a_layernorm(latent)

@@ -1181,44 +1181,47 @@ bool storage_covers(const at::Tensor& t) {
 }
 
 // The checks of decode_step's contract: a RuntimeError naming the argument and its values.
-void check_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.defined(), "decode_step: ", name, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "decode_step: ", name, " must be on the CPU, got ",
-              t.device());
-  TORCH_CHECK(t.is_contiguous(), "decode_step: ", name, " must be contiguous, got shape ",
-              t.sizes(), " with strides ", t.strides());
-  TORCH_CHECK(storage_covers(t), "decode_step: ", name, " of shape ", t.sizes(),
+// Each check names the op it guards (`op`): the step's, or linear_rows' (below).
+void check_tensor(const at::Tensor& t, const char* name, const char* op = "decode_step") {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got shape ", t.sizes(),
+              " with strides ", t.strides());
+  TORCH_CHECK(storage_covers(t), op, ": ", name, " of shape ", t.sizes(),
               " reaches past its storage (", t.has_storage() ? t.storage().nbytes() : 0,
               " bytes): its storage was resized in place");
   // a lazily negated (torch._neg_view) or conjugated view: its memory is not its values
-  TORCH_CHECK(!t.is_neg() && !t.is_conj(), "decode_step: ", name, " is a lazily negated or "
+  TORCH_CHECK(!t.is_neg() && !t.is_conj(), op, ": ", name, " is a lazily negated or "
               "conjugated view: pass t.resolve_neg() / t.resolve_conj()");
 }
 
-void check_float(const at::Tensor& t, const char* name) {
-  check_tensor(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "decode_step: ", name, " must be float32, got ",
+void check_float(const at::Tensor& t, const char* name, const char* op = "decode_step") {
+  check_tensor(t, name, op);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
               t.scalar_type());
 }
 
-void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, "decode_step: ", name, " must be of shape ", shape, ", got ",
+void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef shape,
+                 const char* op = "decode_step") {
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must be of shape ", shape, ", got ",
               t.sizes());
 }
 
 // An optional float32 vector: empty (none), or contiguous float32 (n,).
-void check_bias(const at::Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.defined(), "decode_step: ", name, " is undefined");
+void check_bias(const at::Tensor& t, const char* name, int64_t n,
+                const char* op = "decode_step") {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
   if (t.numel() == 0) return;
-  check_float(t, name);
-  check_shape(t, name, {n});
+  check_float(t, name, op);
+  check_shape(t, name, {n}, op);
 }
 
 // Every tensor argument on x's device, an empty one (no bias, no rotary tables, no scales)
 // included: the dispatcher picks the kernel by all of them (a meta tensor among CPU ones
 // reaches the fake kernel, attnlab.fake_ops, which refuses the call in the same words).
-void check_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(!t.defined() || !x.defined() || t.device() == x.device(), "decode_step: ", name,
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& x,
+                  const char* op = "decode_step") {
+  TORCH_CHECK(!t.defined() || !x.defined() || t.device() == x.device(), op, ": ", name,
               " is on ", t.device(), " but x is on ", x.device(),
               ": every tensor must be on one device");
 }
@@ -1474,6 +1477,250 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   return out;
 }
 
+// y[0..n) += a * x[0..n).
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  const Vec va(a);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    at::vec::fmadd(va, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// out[0..4) = row . q[k * n] for k < 4: one read of the row for four queries.
+inline void dot4(const float* row, const float* q, int64_t n, float* out) {
+  Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec v = Vec::loadu(row + i);
+    s0 = at::vec::fmadd(v, Vec::loadu(q + i), s0);
+    s1 = at::vec::fmadd(v, Vec::loadu(q + n + i), s1);
+    s2 = at::vec::fmadd(v, Vec::loadu(q + 2 * n + i), s2);
+    s3 = at::vec::fmadd(v, Vec::loadu(q + 3 * n + i), s3);
+  }
+  sum4(s0, s1, s2, s3, out);
+  for (; i < n; ++i) {
+    for (int64_t k = 0; k < 4; ++k) out[k] += row[i] * q[k * n + i];
+  }
+}
+
+// Multi-head latent attention's absorbed step for one token per sequence (attnlab.mla): the
+// sizes, with DeepSeek's names (r kv_lora_rank, dn/dr the query's features without and with
+// rotary positions, dv each head's values), the held rows, the softmax scale, and the split
+// of each sequence's rows into chunks (one work item each, both cores reading one sequence).
+struct Latent {
+  int64_t heads, dn, dr, dv, r, capacity, count, chunk, chunks;
+  float scale;
+  int64_t width() const { return r + dr; }  // a held row: its latent, then its rotary key
+  int64_t per_head() const { return (dn + dv) * r; }  // kv_b_proj's rows of one head
+};
+
+constexpr int64_t kLatentTokens = 128;  // rows per block of a chunk's value pass (L2)
+constexpr int64_t kLatentAhead = 6;  // rows ahead of the score pass's read, prefetched
+
+// q (heads, r + dr) <- each head's [q_nope W_UK, q_rope] for one sequence's head h.
+void latent_query(const Latent& L, const float* q_nope, const float* q_rope, const float* w,
+                  int64_t h, float* q) {
+  float* qh = q + h * L.width();
+  std::fill(qh, qh + L.r, 0.0f);
+  for (int64_t d = 0; d < L.dn; ++d) {  // W_UK: the head's dn key rows (dn, r)
+    axpy(q_nope[h * L.dn + d], w + h * L.per_head() + d * L.r, qh, L.r);
+  }
+  std::copy(q_rope + h * L.dr, q_rope + (h + 1) * L.dr, qh + L.r);
+}
+
+// One chunk of one sequence's rows (n rows from `rows`) for every head: p (heads, n) their
+// scores, then softmax weights against the chunk's own maximum; part (heads, r + 2): each
+// head's weighted latents, then that maximum and the weights' sum (merged by latent_merge).
+void latent_chunk(const Latent& L, const float* q, const float* rows, int64_t n, float* p,
+                  float* part) {
+  const int64_t width = L.width(), heads = L.heads;
+  for (int64_t t = 0; t < n; ++t) {  // each row read once for four heads
+    const float* row = rows + t * width;
+#if defined(ATTNLAB_X86)
+    // a row kLatentAhead on into L2 while this one is multiplied (past the rows: dropped)
+    const char* ahead = reinterpret_cast<const char*>(row + kLatentAhead * width);
+    for (int64_t line = 0; line < width * 4; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+#endif
+    int64_t k = 0;
+    for (; k + 4 <= heads; k += 4) {
+      float s[4];
+      dot4(row, q + k * width, width, s);
+      for (int64_t j = 0; j < 4; ++j) p[(k + j) * n + t] = s[j] * L.scale;
+    }
+    for (; k < heads; ++k) p[k * n + t] = dot(q + k * width, row, width) * L.scale;
+  }
+  for (int64_t k = 0; k < heads; ++k) {
+    float* pk = p + k * n;
+    float* tail = part + k * (L.r + 2);  // [latents (r), maximum, sum]
+    tail[L.r] = *std::max_element(pk, pk + n);
+    tail[L.r + 1] = exp_sum(pk, n, tail[L.r]);
+    std::fill(tail, tail + L.r, 0.0f);
+  }
+  const int64_t w = Vec::size();
+  for (int64_t t0 = 0; t0 < n; t0 += kLatentTokens) {  // a block of rows stays in L2
+    const int64_t t1 = std::min(n, t0 + kLatentTokens);
+    int64_t k = 0;
+    for (; k + 4 <= heads; k += 4) {  // four heads' sums in registers per vector of r
+      const float* p0 = p + k * n;
+      float* a = part + k * (L.r + 2);
+      const int64_t stride = L.r + 2;
+      int64_t c = 0;
+      for (; c + w <= L.r; c += w) {
+        Vec a0 = Vec::loadu(a + c), a1 = Vec::loadu(a + stride + c);
+        Vec a2 = Vec::loadu(a + 2 * stride + c), a3 = Vec::loadu(a + 3 * stride + c);
+        for (int64_t t = t0; t < t1; ++t) {
+          const Vec v = Vec::loadu(rows + t * width + c);
+          a0 = at::vec::fmadd(Vec(p0[t]), v, a0);
+          a1 = at::vec::fmadd(Vec(p0[n + t]), v, a1);
+          a2 = at::vec::fmadd(Vec(p0[2 * n + t]), v, a2);
+          a3 = at::vec::fmadd(Vec(p0[3 * n + t]), v, a3);
+        }
+        a0.store(a + c), a1.store(a + stride + c);
+        a2.store(a + 2 * stride + c), a3.store(a + 3 * stride + c);
+      }
+      for (; c < L.r; ++c) {
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t j = 0; j < 4; ++j) a[j * stride + c] += p0[j * n + t] * rows[t * width + c];
+        }
+      }
+    }
+    for (; k < heads; ++k) {
+      for (int64_t t = t0; t < t1; ++t) {
+        axpy(p[k * n + t], rows + t * width, part + k * (L.r + 2), L.r);
+      }
+    }
+  }
+}
+
+// out (dv,) for head h of one sequence: its chunks' parts merged (each rescaled to the
+// largest maximum, as flash decoding merges split keys) into latent (r,), then W_UV.
+void latent_merge(const Latent& L, const float* parts, const float* w, int64_t h,
+                  float* latent, float* out) {
+  const int64_t stride = L.heads * (L.r + 2);  // from one chunk's part to the next
+  const float* head = parts + h * (L.r + 2);
+  float top = kNegInf;
+  for (int64_t c = 0; c < L.chunks; ++c) top = std::max(top, head[c * stride + L.r]);
+  float sum = 0.0f;
+  std::fill(latent, latent + L.r, 0.0f);
+  for (int64_t c = 0; c < L.chunks; ++c) {
+    const float* part = head + c * stride;
+    const float factor = std::exp(part[L.r] - top);
+    sum += factor * part[L.r + 1];
+    axpy(factor, part, latent, L.r);
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < L.r; ++i) latent[i] *= inv;
+  const float* w_uv = w + h * L.per_head() + L.dn * L.r;  // the head's dv value rows (dv, r)
+  for (int64_t j = 0; j < L.dv; ++j) out[j] = dot(latent, w_uv + j * L.r, L.r);
+}
+
+// Returns (b, heads, dv): each head's output before o_proj, as the module's absorbed path
+// computes it (attnlab.mla, _attend_absorbed); an empty tensor where that is not finite (a
+// score or q_nope W_UK past float32: the module's own path then computes or names it).
+// Three parallel passes: the queries folded (sequence, head), the rows in chunks (sequence,
+// chunk; each row read once for all heads), the chunks merged and W_UV (sequence, head).
+at::Tensor latent_step(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& rows,
+                       const at::Tensor& w, int64_t count, double scale) {
+  constexpr const char* op = "latent_step";
+  check_device(q_rope, "q_rope", q_nope, op);
+  check_device(rows, "rows", q_nope, op);
+  check_device(w, "w", q_nope, op);
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q_nope, "q_nope"},
+                                {&q_rope, "q_rope"}, {&rows, "rows"}, {&w, "w"}}) {
+    check_float(*t, name, op);
+  }
+  TORCH_CHECK(q_nope.dim() == 3 && q_nope.size(0) >= 1 && q_nope.size(1) >= 1, op,
+              ": q_nope must be (b, heads, dn) with b >= 1 and heads >= 1, got shape ",
+              q_nope.sizes());
+  const int64_t batch = q_nope.size(0), heads = q_nope.size(1), dn = q_nope.size(2);
+  TORCH_CHECK(q_rope.dim() == 3 && q_rope.size(0) == batch && q_rope.size(1) == heads, op,
+              ": q_rope must be (b ", batch, ", heads ", heads, ", dr), got shape ",
+              q_rope.sizes());
+  const int64_t dr = q_rope.size(2);
+  TORCH_CHECK(rows.dim() == 3 && rows.size(0) == batch && rows.size(1) >= 1 &&
+                  rows.size(2) > dr, op, ": rows must be (b ", batch,
+              ", capacity >= 1, r + dr) with r >= 1 (dr ", dr, "), got shape ", rows.sizes());
+  const int64_t capacity = rows.size(1), r = rows.size(2) - dr;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == r && w.size(0) % heads == 0 &&
+                  w.size(0) / heads > dn, op, ": w must be (heads ", heads, " x (dn ", dn,
+              " + dv >= 1), r ", r, "), got shape ", w.sizes());
+  TORCH_CHECK(count >= 1 && count <= capacity, op, ": count (", count,
+              ") must be in [1, capacity ", capacity, "]");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
+              op, ": scale (", scale, ") must be > 0 and finite in float32");
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = std::max<int64_t>(1, std::min(threads / batch, count / kLatentTokens));
+  const int64_t chunk = (count + split - 1) / split, chunks = (count + chunk - 1) / chunk;
+  const Latent L{heads, dn, dr, w.size(0) / heads - dn, r, capacity, count, chunk, chunks,
+                 static_cast<float>(scale)};
+  auto out = at::empty({batch, heads, L.dv}, q_nope.options());  // (b, heads, dv)
+  // one allocation: the folded queries (b, heads, r + dr), each item's scores (heads,
+  // chunk) and part (heads, r + 2), and a latent (r,) per (sequence, head) for the merge
+  const int64_t query_floats = batch * heads * L.width(), items = batch * chunks;
+  const int64_t score_floats = heads * chunk, part_floats = heads * (r + 2);
+  auto scratch = at::empty({query_floats + items * (score_floats + part_floats) +
+                            batch * heads * r}, q_nope.options());
+  float* q = scratch.data_ptr<float>();
+  float* scores = q + query_floats;
+  float* parts = scores + items * score_floats;
+  float* latents = parts + items * part_floats;
+  const float* qn = q_nope.data_ptr<float>();
+  const float* qr = q_rope.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* held = rows.data_ptr<float>();
+  at::parallel_for(0, batch * heads, grain_for(dn * r), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / heads;
+      latent_query(L, qn + b * heads * dn, qr + b * heads * dr, wp, i % heads,
+                   q + b * heads * L.width());
+    }
+  });
+  at::parallel_for(0, items, grain_for(chunk * L.width()), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / chunks, t0 = (item % chunks) * chunk;
+      latent_chunk(L, q + b * heads * L.width(), held + (b * capacity + t0) * L.width(),
+                   std::min(chunk, count - t0), scores + item * score_floats,
+                   parts + item * part_floats);
+    }
+  });
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, batch * heads, grain_for(L.dv * r), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / heads;
+      latent_merge(L, parts + b * chunks * part_floats, wp, i % heads, latents + i * r,
+                   o + i * L.dv);
+    }
+  });
+  if (!all_finite(o, out.numel())) return at::empty({0}, q_nope.options());
+  return out;
+}
+
+// y (rows, out) = x (rows, in) @ w (out, in)^T + bias through the step's projection kernel
+// (project): attnlab.matvec.linear's native face for a few rows outside the step (multi-head
+// latent attention's projections, a call of several tokens). Every argument is checked as
+// the step checks its own, before anything is read: float32, contiguous, on the CPU; bias
+// empty or (out,). No rows give an empty (0, out). Values are not checked: a NaN or an
+// infinity comes out as F.linear's would.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  constexpr const char* op = "linear_rows";
+  check_device(w, "w", x, op);
+  check_device(bias, "bias", x, op);
+  check_float(x, "x", op);
+  check_float(w, "w", op);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be (rows, in), got shape ", x.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1, op,
+              ": w must be (out, in) with out >= 1 and in >= 1, got shape ", w.sizes());
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x's last dimension (", x.size(1),
+              ") must be w's in (", w.size(1), ")");
+  check_bias(bias, "bias", w.size(0), op);
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());  // (rows, out)
+  if (x.size(0) == 0) return y;
+  project(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(),
+          bias.numel() ? bias.data_ptr<float>() : nullptr, w.size(0), y.data_ptr<float>());
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_decode, m) {
@@ -1522,6 +1769,24 @@ at::Tensor decode_step_direct(const at::Tensor& x, const at::Tensor& w_qkv,
   }
 }
 
+at::Tensor linear_rows_direct(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  try {
+    return linear_rows(x, w, bias);
+  } catch (const c10::Error& error) {
+    throw std::runtime_error(error.what_without_backtrace());
+  }
+}
+
+at::Tensor latent_step_direct(const at::Tensor& q_nope, const at::Tensor& q_rope,
+                              const at::Tensor& rows, const at::Tensor& w, int64_t count,
+                              double scale) {
+  try {
+    return latent_step(q_nope, q_rope, rows, w, count, scale);
+  } catch (const c10::Error& error) {
+    throw std::runtime_error(error.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 // the call plan's lane (forward's one-token cached calls: the plan read in C++, then the op)
@@ -1535,6 +1800,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("position"), py::arg("slot"), py::arg("first"), py::arg("count"),
         py::arg("block"), py::arg("scale"), py::arg("norm_eps"), py::arg("norm_offset"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("linear_rows", &linear_rows_direct,
+        "x (rows, in) @ w (out, in)^T + bias (or empty) through the step's projection kernel",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("latent_step", &latent_step_direct,
+        "multi-head latent attention's absorbed step: (b, heads, dv) before o_proj",
+        py::arg("q_nope"), py::arg("q_rope"), py::arg("rows"), py::arg("w"), py::arg("count"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("bfloat16_products", [] { return kPairs<int8_t>; },
         "Whether an int8 or bfloat16 cache read by several query heads per key/value head "
         "multiplies in bfloat16 (AVX512_BF16), else float32");
