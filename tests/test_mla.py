@@ -7,6 +7,7 @@ was; no value read off the CPU (meta tensors); the native CPU step (decode_cpu.l
 taken exactly where it applies, equal to the reference and to the Python path."""
 
 import copy
+import functools
 import math
 
 import pytest
@@ -381,6 +382,18 @@ def _native_cases():
     def mask(m, x, cache):
         return m(x, cache=cache, mask=torch.ones(1, 6, dtype=torch.bool))
 
+    def subclass(m, x, cache):
+        class Traced(MultiHeadLatentAttention):
+            def _attend_absorbed(self, *args):
+                return super()._attend_absorbed(*args)
+
+        m.__class__ = Traced  # the same module, its absorbed step overridden
+        return m(x, cache=cache)
+
+    def instance_step(m, x, cache):
+        m._attend_absorbed = functools.partial(MultiHeadLatentAttention._attend_absorbed, m)
+        return m(x, cache=cache)
+
     plain = (lambda m, x, cache: m(x, cache=cache), None, 2e-5)
     return {  # call, cache dtype, tolerance against float64; taken or not
         "no gradient, float32": (*plain, True),
@@ -397,6 +410,8 @@ def _native_cases():
         "absorb=False": (lambda m, x, cache: m(x, cache=cache, absorb=False), None, 2e-5, False),
         "autocast": (autocast, None, 5e-2, False),
         "a forward-mode tangent": (forward_ad, None, 2e-5, False),
+        "a subclass's absorbed step": (subclass, None, 2e-5, False),
+        "the instance's own absorbed step": (instance_step, None, 2e-5, False),
     }
 
 

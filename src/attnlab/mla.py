@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab import debug, decode_cpu, functional, plan
+from attnlab import _own_code, debug, decode_cpu, functional, plan
 from attnlab import rope_scaling as rope_scaling_
 from attnlab._validate import (
     check_bool,
@@ -481,6 +481,8 @@ class MultiHeadLatentAttention(nn.Module):
         path's own conditions (kv_b_proj plain) hold already."""
         if cache is None or options["mask"] is not None or options["need_weights"]:
             return False
+        if not _AS_DEFINED(type(self)) or not self.__dict__.keys().isdisjoint(_METHODS):
+            return False  # a subclass's or the instance's own step: the Python path runs it
         rows = cache.rows
         if type(rows) is not torch.Tensor or rows.dtype != torch.float32 or not rows.is_cpu:
             return False
@@ -612,6 +614,14 @@ class MultiHeadLatentAttention(nn.Module):
     def _parameter(self) -> torch.Tensor:
         """The parameter inputs must match in dtype and device: kv_a_proj_with_mqa's weight."""
         return self.kv_a_proj_with_mqa.weight
+
+
+# the native step stands for every method MultiHeadLatentAttention defines: a subclass's
+# override, a class-level patch or one set on the instance takes the Python path
+_AS_DEFINED = _own_code.as_defined(MultiHeadLatentAttention)
+_METHODS = frozenset(
+    name for name, value in vars(MultiHeadLatentAttention).items() if callable(value)
+)
 
 
 def mscale_factor(rope_scaling: dict | None) -> float:
