@@ -728,79 +728,137 @@ def test_native_decoding_of_every_named_layout_equals_the_full_forward(
 
 @st.composite
 def latent_steps(draw):
-    """Shapes of a latent step: up to 600 rows (several chunks per sequence), any widths."""
+    """Shapes of a latent step: up to 600 rows held (several chunks per sequence), any
+    widths, with or without a latent norm and rotary tables."""
     b, h = draw(st.integers(1, 3)), draw(st.integers(1, 6))
-    dn, dr, dv, r = (draw(st.integers(lo, hi)) for lo, hi in [(0, 5), (0, 5), (1, 5), (1, 40)])
-    count = draw(st.integers(1, 600))
-    capacity = count + draw(st.integers(0, 5))
+    dn, dv, r = (draw(st.integers(lo, hi)) for lo, hi in [(0, 5), (1, 5), (1, 40)])
+    rotary = draw(st.booleans())
+    dr = 2 * draw(st.integers(1, 3)) if rotary else draw(st.integers(0, 5))
+    position = draw(st.integers(0, 600))
     return dict(seed=draw(st.integers(0, 2**31 - 1)), b=b, h=h, dn=dn, dr=dr, dv=dv, r=r,
-                count=count, capacity=capacity, scale=draw(st.floats(0.05, 2.0)))  # fmt: skip
+                position=position, capacity=position + 1 + draw(st.integers(0, 5)),
+                rotary=rotary, norm=draw(st.booleans()), offset=draw(st.sampled_from([0.0, 1.0])),
+                scale=draw(st.floats(0.05, 2.0)))  # fmt: skip
 
 
-def latent_reference(q_nope, q_rope, rows, w, count, scale):
-    """Multi-head latent attention's absorbed step in float64 from its definition: each
-    head's query folded through its dn key rows of w, softmax over the held rows, their
-    latents weighted, then the head's dv value rows. No attnlab code."""
-    _, h, dn = q_nope.shape
+def _rotated(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (the rotate-half layout)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def latent_reference(query, compressed, tables, position, rows, w, scale):
+    """Multi-head latent attention's absorbed step in float64 from its definition: the
+    token's row (the latent times rsqrt(mean square + eps) times (offset + weight), the
+    rotary key rotated) at `position`; each head's rotated query, its first dn features
+    folded through its dn key rows of w; softmax over rows [0, position], their latents
+    weighted, then the head's dv value rows. Returns (output, the rows as written). No
+    attnlab code."""
+    norm, eps, offset, cos, sin = tables
+    _, h, _ = query.shape
     r = w.shape[1]
+    dn = query.shape[-1] - (rows.shape[-1] - r)
+    row = compressed.double()
+    latent, k_rope = row[:, :r], row[:, r:]
+    if norm.numel():
+        latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)
+        latent = latent * (offset + norm.double())
+    q_nope, q_rope = query.double()[..., :dn], query.double()[..., dn:]
+    if cos.numel():
+        c, s = cos[position].double(), sin[position].double()
+        k_rope, q_rope = _rotated(k_rope, c, s), _rotated(q_rope, c, s)
+    held = rows.double().clone()
+    held[:, position] = torch.cat([latent, k_rope], -1)
     w = w.double().view(h, -1, r)  # (h, dn + dv, r)
-    held = rows[:, :count].double()  # (b, count, r + dr)
-    q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope.double(), w[:, :dn]), q_rope.double()], -1)
-    weights = torch.softmax(torch.einsum("bhc,btc->bht", q, held) * scale, dim=-1)
-    latent = torch.einsum("bht,btr->bhr", weights, held[..., :r])  # (b, h, r)
-    return torch.einsum("bhr,hvr->bhv", latent, w[:, dn:])  # (b, h, dv)
+    keys = held[:, : position + 1]  # (b, count, r + dr)
+    q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w[:, :dn]), q_rope], -1)
+    weights = torch.softmax(torch.einsum("bhc,btc->bht", q, keys) * scale, dim=-1)
+    latents = torch.einsum("bht,btr->bhr", weights, keys[..., :r])  # (b, h, r)
+    return torch.einsum("bhr,hvr->bhv", latents, w[:, dn:]), held  # (b, h, dv)
 
 
 def latent_inputs(c):
     torch.manual_seed(c["seed"])
-    b, h = c["b"], c["h"]
-    q_nope, q_rope = torch.randn(b, h, c["dn"]), torch.randn(b, h, c["dr"])
-    rows = torch.randn(b, c["capacity"], c["r"] + c["dr"])
-    w = torch.randn(h * (c["dn"] + c["dv"]), c["r"]) / c["r"] ** 0.5
-    return q_nope, q_rope, rows, w
+    b, h, dr, r = c["b"], c["h"], c["dr"], c["r"]
+    query, compressed = torch.randn(b, h, c["dn"] + dr), torch.randn(b, r + dr) * 3
+    empty = decode_cpu.EMPTY
+    norm = torch.randn(r) if c["norm"] else empty
+    angles = torch.rand(c["capacity"], dr // 2 if c["rotary"] else 0) * 6.0
+    cos, sin = (
+        (angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)) if c["rotary"] else (empty, empty)
+    )
+    tables = decode_cpu.LatentTables(norm, 1e-6, c["offset"], cos, sin)
+    rows = torch.randn(b, c["capacity"], r + dr)
+    w = torch.randn(h * (c["dn"] + c["dv"]), r) / r**0.5
+    return query, compressed, tables, c["position"], rows, w, c["scale"]
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 @settings(max_examples=40, deadline=None)
 @given(latent_steps())
-def test_the_latent_step_equals_float64_attention_over_the_held_rows(c):
-    q_nope, q_rope, rows, w = latent_inputs(c)
-    before = rows.clone()
-    got = decode_cpu.latent_step(q_nope, q_rope, rows, w, c["count"], c["scale"])
-    expected = latent_reference(q_nope, q_rope, rows, w, c["count"], c["scale"])
+def test_the_latent_step_writes_the_row_and_equals_float64_attention_over_the_rows(c):
+    query, compressed, tables, position, rows, w, scale = latent_inputs(c)
+    expected, held = latent_reference(query, compressed, tables, position, rows, w, scale)
+    got = decode_cpu.latent_step(query, compressed, tables, position, rows, w, scale)
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
-    assert torch.equal(rows, before)  # read, never written
+    torch.testing.assert_close(rows.double(), held, rtol=1e-5, atol=1e-5)  # that row only
 
 
 def _latent_refusals():
-    q_nope, q_rope, rows, w = (
-        torch.randn(1, 2, 3),
-        torch.randn(1, 2, 4),
+    empty = decode_cpu.EMPTY
+    query, compressed, rows, w = (
+        torch.randn(1, 2, 7),
+        torch.randn(1, 12),
         torch.randn(1, 9, 12),
         torch.randn(2 * 5, 8),
     )
-    good = dict(q_nope=q_nope, q_rope=q_rope, rows=rows, weight=w, count=9, scale=0.5)
+    cos = torch.randn(9, 4)
+    good = dict(query=query, compressed=compressed, norm=torch.randn(8), eps=1e-6, offset=0.0,
+                cos=cos, sin=cos.clone(), position=8, rows=rows, weight=w, scale=0.5)  # fmt: skip
     bad = {
-        "q_nope float64": (dict(q_nope=q_nope.double()), "q_nope must be float32"),
-        "q_nope 2-D": (dict(q_nope=q_nope[0]), "q_nope must be .b, heads, dn."),
-        "q_rope heads": (dict(q_rope=torch.randn(1, 3, 4)), "q_rope must be"),
+        "query float64": (dict(query=query.double()), "query must be float32"),
+        "query 2-D": (dict(query=query[0]), "query must be .b 1, heads >= 1"),
+        "query narrower than dr": (dict(query=torch.randn(1, 2, 3)), "query must be"),
+        "compressed width": (dict(compressed=torch.randn(1, 11)), "compressed must be"),
         "rows strided": (
             dict(rows=torch.randn(1, 12, 9).transpose(1, 2)),
             "rows must be contiguous",
         ),
-        "rows batch": (dict(rows=torch.randn(2, 9, 12)), "rows must be"),
-        "rows no latent": (dict(rows=torch.randn(1, 9, 4)), "rows must be"),
-        "w rows": (dict(weight=torch.randn(7, 8)), "w must be"),
-        "w width": (dict(weight=torch.randn(10, 9)), "w must be"),
-        "w no values": (dict(weight=torch.randn(6, 8)), "w must be"),
-        "count 0": (dict(count=0), "count .0. must be in"),
-        "count past": (dict(count=10), "count .10. must be in"),
+        "rows 2-D": (dict(rows=rows[0]), "rows must be"),
+        "w rows": (dict(weight=torch.randn(7, 8)), "w's rows .7. must be heads"),
+        "w wider than rows": (dict(weight=torch.randn(10, 13)), "w must be"),
+        "w no values": (dict(weight=torch.randn(6, 8)), "w's rows .6. must be"),
+        "position past": (dict(position=9), "position .9. must be in"),
+        "position negative": (dict(position=-1), "position .-1. must be in"),
         "scale 0": (dict(scale=0.0), "scale"),
         "scale nan": (dict(scale=float("nan")), "scale"),
         "scale past float32": (dict(scale=1e39), "scale"),
+        "norm width": (dict(norm=torch.randn(7)), "norm must be of shape"),
+        "norm eps 0": (dict(eps=0.0), "norm_eps"),
+        "norm offset inf": (dict(offset=float("inf")), "norm_offset"),
+        "cos short": (
+            dict(cos=torch.randn(8, 4), sin=torch.randn(8, 4)),
+            "cos must be .rows > position",
+        ),
+        "sin shape": (dict(sin=torch.randn(9, 2)), "sin must be of shape"),
+        "odd dr with tables": (
+            dict(
+                query=torch.randn(1, 2, 6),
+                compressed=torch.randn(1, 11),
+                rows=torch.randn(1, 9, 11),
+                cos=torch.randn(9, 3),
+                sin=torch.randn(9, 3),
+            ),
+            "rotary positions rotate pairs of features: dr .3. must be even",
+        ),
         "meta rows": (dict(rows=rows.to("meta")), "rows is on meta"),
         "negated view": (dict(weight=torch._neg_view(w)), "w is a lazily negated"),
+        "rows overlap query": (
+            dict(query=rows.view(-1)[:14].view(1, 2, 7)),
+            "rows and query overlap",
+        ),
     }
+    del empty
     return [(name, {**good, **change}, match) for name, (change, match) in bad.items()]
 
 
@@ -808,17 +866,29 @@ def _latent_refusals():
 @pytest.mark.parametrize(
     ("name", "kwargs", "match"), _latent_refusals(), ids=lambda v: v if isinstance(v, str) else ""
 )
-def test_the_latent_step_refuses_what_it_cannot_read_by_name(name, kwargs, match):
+def test_the_latent_step_refuses_what_it_cannot_read_by_name_and_writes_nothing(
+    name, kwargs, match
+):
+    rows = kwargs["rows"]
+    before = rows.clone() if rows.device.type == "cpu" and rows.is_contiguous() else None
+    tables = decode_cpu.LatentTables(
+        *(kwargs.pop(k) for k in ("norm", "eps", "offset", "cos", "sin"))
+    )
     with pytest.raises(RuntimeError, match=f"latent_step: {match}"):
-        decode_cpu.latent_step(**kwargs)
+        decode_cpu.latent_step(tables=tables, **kwargs)
+    if before is not None:
+        assert torch.equal(rows, before)
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")
 def test_a_latent_step_past_float32_is_none():
-    q_nope, q_rope, rows, w = latent_inputs(
-        dict(seed=1, b=1, h=2, dn=3, dr=2, dv=2, r=4, capacity=5)
+    c = dict(seed=1, b=1, h=2, dn=3, dr=2, dv=2, r=4, position=4, capacity=5, rotary=False,
+             norm=False, offset=0.0, scale=1.0)  # fmt: skip
+    query, compressed, tables, position, rows, w, scale = latent_inputs(c)
+    assert (
+        decode_cpu.latent_step(query * 1e30, compressed, tables, position, rows, w * 1e10, scale)
+        is None
     )
-    assert decode_cpu.latent_step(q_nope * 1e30, q_rope, rows, w * 1e10, 5, 1.0) is None
 
 
 @pytest.mark.skipif(not NATIVE, reason="the native decode step is unavailable here")

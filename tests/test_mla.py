@@ -394,6 +394,20 @@ def _native_cases():
         m._attend_absorbed = functools.partial(MultiHeadLatentAttention._attend_absorbed, m)
         return m(x, cache=cache)
 
+    def hooked(name):
+        def call(m, x, cache):
+            getattr(m, name).register_forward_hook(lambda module, args, out: out * 1.0)
+            return m(x, cache=cache)
+
+        return call
+
+    def global_hook(m, x, cache):
+        hook = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+        try:
+            return m(x, cache=cache)
+        finally:
+            hook.remove()
+
     plain = (lambda m, x, cache: m(x, cache=cache), None, 2e-5)
     return {  # call, cache dtype, tolerance against float64; taken or not
         "no gradient, float32": (*plain, True),
@@ -411,6 +425,9 @@ def _native_cases():
         "autocast": (autocast, None, 5e-2, False),
         "a forward-mode tangent": (forward_ad, None, 2e-5, False),
         "a subclass's absorbed step": (subclass, None, 2e-5, False),
+        "a hooked latent norm": (hooked("kv_a_layernorm"), None, 2e-5, False),
+        "a hooked rope": (hooked("rope"), None, 2e-5, False),
+        "a global module hook": (global_hook, None, 2e-5, False),
         "the instance's own absorbed step": (instance_step, None, 2e-5, False),
     }
 

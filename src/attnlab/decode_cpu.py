@@ -79,34 +79,53 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return binding().linear_rows(x, weight, EMPTY if bias is None else bias)
 
 
+class LatentTables(NamedTuple):
+    """What multi-head latent attention's native step reads besides the projections: the
+    latent norm's weight (r,) with its eps and offset, or an empty weight for none; the
+    rotary tables (positions, dr), or empty for none."""
+
+    norm: torch.Tensor
+    norm_eps: float
+    norm_offset: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 def latent_step(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
+    query: torch.Tensor,
+    compressed: torch.Tensor,
+    tables: LatentTables,
+    position: int,
     rows: torch.Tensor,
     weight: torch.Tensor,
-    count: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """Multi-head latent attention's absorbed step for one token per sequence (attnlab.mla):
-    each head's query folded through kv_b_proj's key rows, its scores against the first
-    `count` held rows, their latents weighted, and kv_b_proj's value rows applied; each
-    sequence's rows read once for a group of heads. Float32, contiguous, on the CPU, the
-    extension loaded (its own checks refuse anything else with a RuntimeError).
+    """Multi-head latent attention's absorbed step for one token per sequence (attnlab.mla)
+    after its projections: the token's row (the latent normalised, the rotary key rotated)
+    written to row `position` of each sequence's rows, then each head's query (rotated)
+    folded through kv_b_proj's key rows, its scores against rows [0, position], their
+    latents weighted, and kv_b_proj's value rows applied; each sequence's rows read once
+    for all heads, in chunks over the cores. Float32, contiguous, on the CPU, the extension
+    loaded (its own checks refuse anything else with a RuntimeError, before any write).
 
     Args:
-        q_nope: (b, h, dn) the queries' features without positions.
-        q_rope: (b, h, dr) their rotary features, rotated.
-        rows: (b, capacity, r + dr) a LatentCache's buffer (each row its latent, then its
-            rotary key).
+        query: (b, h, dn + dr) each head's query as projected (unrotated).
+        compressed: (b, r + dr) kv_a_proj_with_mqa's output: the latent, then the rotary key.
+        tables: the latent norm and rotary tables (LatentTables).
+        position: the token's position: the row it is written to.
+        rows: (b, capacity, r + dr) a LatentCache's buffer, written at `position`.
         weight: kv_b_proj's weight (h (dn + dv), r).
-        count: the rows held, the new token's included.
         scale: the softmax scale.
 
     Returns:
-        (b, h, dv), each head's output before o_proj, or None where it is not finite (float32
-        overflowed: the caller's own path then computes or names it).
+        (b, h, dv), each head's output before o_proj, or None where it is not finite
+        (float32 overflowed: the row is written, and the caller's own path then computes
+        the step, writing it again, or names the overflow).
     """
-    out = binding().latent_step(q_nope, q_rope, rows, weight, count, scale)
+    norm, eps, offset, cos, sin = tables
+    out = binding().latent_step(
+        query, compressed, norm, eps, offset, cos, sin, position, rows, weight, scale
+    )
     return out if out.numel() else None
 
 

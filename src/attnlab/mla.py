@@ -440,16 +440,9 @@ class MultiHeadLatentAttention(nn.Module):
         cache: LatentCache | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """forward() after its checks: project, rotate, cache, attend, combine the heads."""
-        b, tq, _ = x.shape
-        q_nope, q_rope = self._queries(x)  # (b, h, tq, dn), (b, h, tq, dr)
-        latent, k_rope = self._latents(x)  # (b, tq, r), (b, 1, tq, dr)
-        if self.rope is not None:  # through its __call__: its hooks and a subclass's run
-            q_rope, k_rope = self.rope(q_rope, start), self.rope(k_rope, start)
-        k_rope = k_rope.squeeze(1)  # (b, tq, dr)
-        rows = None
-        if cache is not None:
-            rows = cache.append(latent, k_rope)  # (b, tk, r + dr): every token held
-            latent, k_rope = rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        tq = x.shape[1]
+        query = self._project_queries(x)  # (b, tq, h (dn + dr))
+        compressed = self._compress(x)  # (b, tq, r + dr)
         options = dict(
             mask=mask,
             causal=self.causal,
@@ -458,52 +451,82 @@ class MultiHeadLatentAttention(nn.Module):
             need_weights=need_weights,
             backend="auto",
         )
-        result = None  # None until a path computes it: float32 overflow passes it on
-        if absorbed and tq == 1 and self._native_step(options, cache, (q_nope, q_rope)):
-            result = self._attend_native(q_nope, q_rope, cache)
-        if absorbed and result is None:
+        if absorbed and tq == 1:  # the native step, where it stands for the module
+            tables = self._native_tables(options, cache, start, (query, compressed))
+            out = None if tables is None else self._step_native(query, compressed, tables, cache)
+            if out is not None:  # None: float32 overflowed, the path below computes it
+                return self._combine(out)
+        q_nope, q_rope = self._queries(query)  # (b, h, tq, dn), (b, h, tq, dr)
+        latent, k_rope = self._latents(compressed)  # (b, tq, r), (b, 1, tq, dr)
+        if self.rope is not None:  # through its __call__: its hooks and a subclass's run
+            q_rope, k_rope = self.rope(q_rope, start), self.rope(k_rope, start)
+        k_rope = k_rope.squeeze(1)  # (b, tq, dr)
+        rows = None
+        if cache is not None:
+            rows = cache.append(latent, k_rope)  # (b, tk, r + dr): every token held
+            latent, k_rope = rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        result = None  # None until a path computes it: an overflow passes it on
+        if absorbed:
             if rows is None:
                 rows = torch.cat([latent, k_rope], dim=-1)  # (b, tk, r + dr)
             result = self._attend_absorbed(q_nope, q_rope, rows, options)
         if result is None:  # not absorbed, or q_nope W_UK overflowed q's dtype
             result = self._attend_expanded(q_nope, q_rope, latent, k_rope, options)
         out, weights = result if need_weights else (result, None)  # (b, h, tq, dv)
-        out = out.transpose(1, 2).reshape(b, tq, self.num_heads * self.v_head_dim)  # (b, tq, h dv)
-        o_shape = (self.d_model, self.num_heads * self.v_head_dim)
-        out = plan.project(out, self.o_proj, o_shape)  # (b, tq, d_model)
+        out = self._combine(out)  # (b, tq, d_model)
         return (out, weights) if need_weights else out
 
-    def _native_step(self, options: dict, cache: LatentCache | None, queries: tuple) -> bool:
-        """Whether decode_cpu.latent_step computes this absorbed call: one token per
-        sequence (the caller's) against a float32 CPU cache, float32 queries, no mask,
-        weights, dropout, autocast or gradient wanted (forward-mode tangents included), no
-        function or dispatch mode, the extension built (make_cache builds it). The absorbed
-        path's own conditions (kv_b_proj plain) hold already."""
-        if cache is None or options["mask"] is not None or options["need_weights"]:
-            return False
-        if not _AS_DEFINED(type(self)) or not self.__dict__.keys().isdisjoint(_METHODS):
-            return False  # a subclass's or the instance's own step: the Python path runs it
-        rows = cache.rows
-        if type(rows) is not torch.Tensor or rows.dtype != torch.float32 or not rows.is_cpu:
-            return False
-        read = (*queries, self.kv_b_proj.weight, rows)  # what the step reads
-        if any(t.dtype != torch.float32 for t in read) or torch.is_autocast_enabled("cpu"):
-            return False
-        if debug.under_transform():  # a forward-mode tangent the step would drop
-            return False
-        if options["dropout_p"] or (torch.is_grad_enabled() and any(t.requires_grad for t in read)):
-            return False
-        return plan.no_active_modes() and decode_cpu.loaded()
+    def _combine(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (b, h, tq, dv) through o_proj: (b, tq, d_model)."""
+        b, _, tq, _ = out.shape
+        width = self.num_heads * self.v_head_dim
+        out = out.transpose(1, 2).reshape(b, tq, width)  # (b, tq, h dv)
+        return plan.project(out, self.o_proj, (self.d_model, width))  # (b, tq, d_model)
 
-    def _attend_native(self, q_nope, q_rope, cache):
-        """decode_cpu.latent_step on the cache's rows: (b, h, 1, dv), or None where float32
-        overflowed."""
-        b, h, tq, _ = q_nope.shape
-        nope = q_nope.reshape(b, h, self.qk_nope_head_dim).contiguous()  # (b, h, dn)
-        rope = q_rope.reshape(b, h, self.qk_rope_head_dim).contiguous()  # (b, h, dr)
+    def _native_tables(
+        self, options: dict, cache: LatentCache | None, start: int, projected: tuple
+    ) -> decode_cpu.LatentTables | None:
+        """The latent norm and rotary tables decode_cpu.latent_step reads in their place
+        when it computes this absorbed one-token call, else None. It does for: a float32
+        CPU cache and projections, no mask, weights, dropout, autocast or gradient wanted
+        (forward-mode tangents included), no function or dispatch mode and no global module
+        hook, the module's own methods (no subclass or instance override), kv_a_layernorm
+        and rope each None or attnlab's own, pristine (plan.latent_tables), the extension
+        built (make_cache builds it). The absorbed path's own condition (kv_b_proj plain)
+        holds already."""
+        if cache is None or options["mask"] is not None or options["need_weights"]:
+            return None
+        if not _AS_DEFINED(type(self)) or not self.__dict__.keys().isdisjoint(_METHODS):
+            return None  # a subclass's or the instance's own step: the Python path runs it
+        rows = cache.rows
+        if type(rows) is not torch.Tensor or not rows.is_cpu:
+            return None
+        read = (*projected, self.kv_b_proj.weight, rows)  # what the step reads
+        if any(t.dtype != torch.float32 for t in read) or torch.is_autocast_enabled("cpu"):
+            return None
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in read)
+        if grad or options["dropout_p"] or debug.under_transform():  # tangents too
+            return None
+        if not (plan.no_active_modes() and plan.no_global_hooks() and decode_cpu.loaded()):
+            return None
+        r, dr = self.kv_lora_rank, self.qk_rope_head_dim
+        return plan.latent_tables(self.kv_a_layernorm, self.rope, r, dr, start)
+
+    def _step_native(self, query, compressed, tables, cache):
+        """decode_cpu.latent_step: the token's row written to the cache (its position then
+        moves on) and the heads' outputs (b, h, 1, dv); None where float32 overflowed (the
+        position stays, and the Python path writes the row again)."""
+        b, h, start = query.shape[0], self.num_heads, cache.position
+        query = query.reshape(b, h, self.qk_head_dim).contiguous()  # (b, h, dn + dr)
+        compressed = compressed.reshape(b, -1).contiguous()  # (b, r + dr)
         weight = self.kv_b_proj.weight  # (h (dn + dv), r)
-        out = decode_cpu.latent_step(nope, rope, cache.rows, weight, cache.position, self.scale)
-        return None if out is None else out.view(b, h, tq, self.v_head_dim)  # (b, h, 1, dv)
+        out = decode_cpu.latent_step(
+            query, compressed, tables, start, cache.rows, weight, self.scale
+        )
+        if out is None:
+            return None
+        cache.position = start + 1
+        return out.view(b, h, 1, self.v_head_dim)  # (b, h, 1, dv)
 
     def _attend_expanded(self, q_nope, q_rope, latent, k_rope, options):
         """Every held latent (b, tk, r) through kv_b_proj: per-head keys and values, each
@@ -538,9 +561,8 @@ class MultiHeadLatentAttention(nn.Module):
         out = out @ w_uv.transpose(1, 2)  # (b, h, tq, r) @ (h, r, dv) -> (b, h, tq, dv)
         return (out, weights) if options["need_weights"] else out
 
-    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each head's query split (b, h, tq, dn), (b, h, tq, dr)."""
-        b, tq, _ = x.shape
+    def _project_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """The queries as projected, (b, tq, h (dn + dr))."""
         # plan.project: a pristine layer computed by attnlab.matvec for a few rows, else called
         if self.q_lora_rank is None:
             q = plan.project(x, self.q_proj, (self.q_width, self.d_model))  # (b, tq, h (dn + dr))
@@ -550,15 +572,24 @@ class MultiHeadLatentAttention(nn.Module):
             if self.q_a_layernorm is not None:
                 q = self.q_a_layernorm(q)
             q = plan.project(q, self.q_b_proj, (self.q_width, rank))  # (b, tq, h (dn + dr))
+        return q
+
+    def _queries(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's query split (b, h, tq, dn), (b, h, tq, dr), from the projected
+        (b, tq, h (dn + dr))."""
+        b, tq, _ = q.shape
         q = q.view(b, tq, self.num_heads, self.qk_head_dim).transpose(1, 2)  # (b, h, tq, dn + dr)
         return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The normalised latent (b, tq, r) and the rotary key, unrotated, (b, 1, tq, dr)."""
-        b, tq, _ = x.shape
+    def _compress(self, x: torch.Tensor) -> torch.Tensor:
+        """kv_a_proj_with_mqa(x): the latent, then the rotary key, (b, tq, r + dr)."""
         width = self.kv_lora_rank + self.qk_rope_head_dim
-        kv_a = self.kv_a_proj_with_mqa
-        compressed = plan.project(x, kv_a, (width, self.d_model))  # (b, tq, r + dr)
+        return plan.project(x, self.kv_a_proj_with_mqa, (width, self.d_model))
+
+    def _latents(self, compressed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised latent (b, tq, r) and the rotary key, unrotated, (b, 1, tq, dr),
+        from kv_a_proj_with_mqa's output (b, tq, r + dr)."""
+        b, tq, _ = compressed.shape
         latent, k_rope = compressed.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         if self.kv_a_layernorm is not None:
             latent = self.kv_a_layernorm(latent)

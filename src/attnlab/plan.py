@@ -370,6 +370,43 @@ def _own_norm_weight(norm: object, dim: int) -> torch.Tensor | None:
     return weight if suits else None
 
 
+def latent_tables(
+    norm: object, rope: object, r: int, dr: int, position: int
+) -> decode_cpu.LatentTables | None:
+    """What multi-head latent attention's native step reads in place of its latent norm
+    and rotary embedding, when each is None or attnlab's own, pristine: RMSNorm over r
+    features (_own_norm_weight; eps and offset floats within float32), RotaryEmbedding of
+    dr features with float32 CPU tables covering `position` (_own_rope_tables); else None.
+
+    Args:
+        norm: the module's kv_a_layernorm.
+        rope: its rotary embedding.
+        r: kv_lora_rank.
+        dr: qk_rope_head_dim.
+        position: the token's position.
+
+    Returns:
+        decode_cpu.LatentTables (empty tensors for an absent norm or rope), or None.
+    """
+    none = decode_cpu.EMPTY
+    weight, eps, offset = none, 1e-6, 0.0
+    if norm is not None:
+        weight = _own_norm_weight(norm, r) if norm_code_as_written() else None
+        if weight is None:
+            return None
+        eps, offset = norm.__dict__.get("eps"), norm.__dict__.get("offset")
+        if type(eps) is not float or type(offset) is not float:
+            return None  # set to something else since construction checked them
+        if eps > _FLOAT32_MAX or abs(offset) > _FLOAT32_MAX:
+            return None  # past what the kernel's float32 holds: the Python path computes it
+    cos = sin = none
+    if rope is not None:
+        cos, sin = _own_rope_tables(rope, dr)
+        if cos is None or cos.shape[0] <= position:
+            return None
+    return decode_cpu.LatentTables(weight, eps, offset, cos, sin)
+
+
 def _float32_linear(
     layer: object, shape: tuple[int | None, int]
 ) -> tuple[torch.Tensor | None, ...]:

@@ -1237,8 +1237,8 @@ bool overlap(const at::Tensor& a, const at::Tensor& b) {
 // A tensor the op writes (`written`) shares no byte with another argument (`other`): the
 // op would write an input its schema declares read-only, or one buffer through another.
 void check_apart(const at::Tensor& written, const char* written_name, const at::Tensor& other,
-                 const char* other_name) {
-  TORCH_CHECK(!overlap(written, other), "decode_step: ", written_name, " and ", other_name,
+                 const char* other_name, const char* op = "decode_step") {
+  TORCH_CHECK(!overlap(written, other), op, ": ", written_name, " and ", other_name,
               " overlap in memory: the op writes ", written_name,
               ", which may share no memory with another argument");
 }
@@ -1518,15 +1518,19 @@ struct Latent {
 constexpr int64_t kLatentTokens = 128;  // rows per block of a chunk's value pass (L2)
 constexpr int64_t kLatentAhead = 6;  // rows ahead of the score pass's read, prefetched
 
-// q (heads, r + dr) <- each head's [q_nope W_UK, q_rope] for one sequence's head h.
-void latent_query(const Latent& L, const float* q_nope, const float* q_rope, const float* w,
-                  int64_t h, float* q) {
+// q (heads, r + dr) <- head h's [q_nope W_UK, q_rope] for one sequence, from its query
+// (heads, dn + dr) as projected, the rotary part rotated here (cos, sin: the position's
+// table rows, or null for none).
+void latent_query(const Latent& L, const float* query, const float* cos, const float* sin,
+                  const float* w, int64_t h, float* q) {
+  const float* own = query + h * (L.dn + L.dr);  // [q_nope (dn), q_rope (dr)]
   float* qh = q + h * L.width();
   std::fill(qh, qh + L.r, 0.0f);
   for (int64_t d = 0; d < L.dn; ++d) {  // W_UK: the head's dn key rows (dn, r)
-    axpy(q_nope[h * L.dn + d], w + h * L.per_head() + d * L.r, qh, L.r);
+    axpy(own[d], w + h * L.per_head() + d * L.r, qh, L.r);
   }
-  std::copy(q_rope + h * L.dr, q_rope + (h + 1) * L.dr, qh + L.r);
+  std::copy(own + L.dn, own + L.dn + L.dr, qh + L.r);
+  if (cos != nullptr) rotate(qh + L.r, cos, sin, L.dr);
 }
 
 // One chunk of one sequence's rows (n rows from `rows`) for every head: p (heads, n) their
@@ -1616,70 +1620,112 @@ void latent_merge(const Latent& L, const float* parts, const float* w, int64_t h
 }
 
 // Returns (b, heads, dv): each head's output before o_proj, as the module's absorbed path
-// computes it (attnlab.mla, _attend_absorbed); an empty tensor where that is not finite (a
-// score or q_nope W_UK past float32: the module's own path then computes or names it).
+// computes it (attnlab.mla): the token's row (its latent normalised by the latent norm, its
+// rotary key rotated) written to row `position` of each sequence's rows, then attention over
+// rows [0, position] in the latent space. An empty tensor where the output is not finite
+// (a projection, q_nope W_UK or a score past float32): the row is written, and the module's
+// own path then computes the step, writing the row again, or names the overflow.
 // Three parallel passes: the queries folded (sequence, head), the rows in chunks (sequence,
 // chunk; each row read once for all heads), the chunks merged and W_UV (sequence, head).
-at::Tensor latent_step(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& rows,
-                       const at::Tensor& w, int64_t count, double scale) {
+at::Tensor latent_step(const at::Tensor& query, const at::Tensor& compressed,
+                       const at::Tensor& norm, double norm_eps, double norm_offset,
+                       const at::Tensor& cos, const at::Tensor& sin, int64_t position,
+                       at::Tensor rows, const at::Tensor& w, double scale) {
   constexpr const char* op = "latent_step";
-  check_device(q_rope, "q_rope", q_nope, op);
-  check_device(rows, "rows", q_nope, op);
-  check_device(w, "w", q_nope, op);
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q_nope, "q_nope"},
-                                {&q_rope, "q_rope"}, {&rows, "rows"}, {&w, "w"}}) {
-    check_float(*t, name, op);
-  }
-  TORCH_CHECK(q_nope.dim() == 3 && q_nope.size(0) >= 1 && q_nope.size(1) >= 1, op,
-              ": q_nope must be (b, heads, dn) with b >= 1 and heads >= 1, got shape ",
-              q_nope.sizes());
-  const int64_t batch = q_nope.size(0), heads = q_nope.size(1), dn = q_nope.size(2);
-  TORCH_CHECK(q_rope.dim() == 3 && q_rope.size(0) == batch && q_rope.size(1) == heads, op,
-              ": q_rope must be (b ", batch, ", heads ", heads, ", dr), got shape ",
-              q_rope.sizes());
-  const int64_t dr = q_rope.size(2);
-  TORCH_CHECK(rows.dim() == 3 && rows.size(0) == batch && rows.size(1) >= 1 &&
-                  rows.size(2) > dr, op, ": rows must be (b ", batch,
-              ", capacity >= 1, r + dr) with r >= 1 (dr ", dr, "), got shape ", rows.sizes());
-  const int64_t capacity = rows.size(1), r = rows.size(2) - dr;
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == r && w.size(0) % heads == 0 &&
-                  w.size(0) / heads > dn, op, ": w must be (heads ", heads, " x (dn ", dn,
-              " + dv >= 1), r ", r, "), got shape ", w.sizes());
-  TORCH_CHECK(count >= 1 && count <= capacity, op, ": count (", count,
-              ") must be in [1, capacity ", capacity, "]");
+  const std::pair<const at::Tensor*, const char*> tensors[] = {
+      {&query, "query"}, {&compressed, "compressed"}, {&norm, "norm"}, {&cos, "cos"},
+      {&sin, "sin"},     {&rows, "rows"},             {&w, "w"}};
+  for (const auto& [t, name] : tensors) check_device(*t, name, query, op);
+  check_float(query, "query", op);
+  check_float(rows, "rows", op);
+  check_float(compressed, "compressed", op);
+  check_float(w, "w", op);
+  TORCH_CHECK(rows.dim() == 3 && rows.size(0) >= 1 && rows.size(1) >= 1 && rows.size(2) >= 1, op,
+              ": rows must be (b >= 1, capacity >= 1, r + dr), got shape ", rows.sizes());
+  const int64_t batch = rows.size(0), capacity = rows.size(1), width = rows.size(2);
+  TORCH_CHECK(compressed.dim() == 2 && compressed.size(0) == batch && compressed.size(1) == width,
+              op, ": compressed must be (b ", batch, ", r + dr ", width, "), rows' widths, got "
+              "shape ", compressed.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1 && w.size(1) <= width, op,
+              ": w must be (heads (dn + dv), r) with 1 <= r <= rows' width (", width, "), got "
+              "shape ", w.sizes());
+  const int64_t r = w.size(1), dr = width - r;
+  TORCH_CHECK(query.dim() == 3 && query.size(0) == batch && query.size(1) >= 1 &&
+                  query.size(2) >= dr, op, ": query must be (b ", batch, ", heads >= 1, dn + dr ",
+              "with dr ", dr, "), got shape ", query.sizes());
+  const int64_t heads = query.size(1), dn = query.size(2) - dr;
+  TORCH_CHECK(w.size(0) % heads == 0 && w.size(0) / heads > dn, op, ": w's rows (", w.size(0),
+              ") must be heads (", heads, ") x (dn ", dn, " + dv >= 1)");
+  TORCH_CHECK(position >= 0 && position < capacity, op, ": position (", position,
+              ") must be in [0, capacity ", capacity, ")");
   TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
               op, ": scale (", scale, ") must be > 0 and finite in float32");
+  check_bias(norm, "norm", r, op);  // empty: no latent norm
+  if (norm.numel()) {
+    TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0 &&
+                    norm_eps <= std::numeric_limits<float>::max(), op, ": norm_eps (",
+                norm_eps, ") must be > 0 and finite in float32");
+    TORCH_CHECK(std::isfinite(norm_offset) &&
+                    std::abs(norm_offset) <= std::numeric_limits<float>::max(), op,
+                ": norm_offset (", norm_offset, ") must be finite in float32");
+  }
+  TORCH_CHECK(cos.defined() && sin.defined(), op, ": cos and sin must be defined");
+  const bool rotary = cos.numel() > 0 || sin.numel() > 0;
+  if (rotary) {
+    check_float(cos, "cos", op);
+    check_float(sin, "sin", op);
+    TORCH_CHECK(dr % 2 == 0 && dr > 0, op, ": rotary positions rotate pairs of features: dr (",
+                dr, ") must be even and > 0 with cos and sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dr && position < cos.size(0), op,
+                ": cos must be (rows > position ", position, ", dr ", dr, "), got shape ",
+                cos.sizes());
+    check_shape(sin, "sin", cos.sizes(), op);
+  }
+  for (const auto& [t, name] : tensors) {  // rows is written: it may share no memory
+    if (t != &rows) check_apart(rows, "rows", *t, name, op);
+  }
+  const int64_t count = position + 1;
   const int64_t threads = at::get_num_threads();
   const int64_t split = std::max<int64_t>(1, std::min(threads / batch, count / kLatentTokens));
   const int64_t chunk = (count + split - 1) / split, chunks = (count + chunk - 1) / chunk;
   const Latent L{heads, dn, dr, w.size(0) / heads - dn, r, capacity, count, chunk, chunks,
                  static_cast<float>(scale)};
-  auto out = at::empty({batch, heads, L.dv}, q_nope.options());  // (b, heads, dv)
+  auto out = at::empty({batch, heads, L.dv}, query.options());  // (b, heads, dv)
   // one allocation: the folded queries (b, heads, r + dr), each item's scores (heads,
   // chunk) and part (heads, r + 2), and a latent (r,) per (sequence, head) for the merge
-  const int64_t query_floats = batch * heads * L.width(), items = batch * chunks;
+  const int64_t query_floats = batch * heads * width, items = batch * chunks;
   const int64_t score_floats = heads * chunk, part_floats = heads * (r + 2);
   auto scratch = at::empty({query_floats + items * (score_floats + part_floats) +
-                            batch * heads * r}, q_nope.options());
+                            batch * heads * r}, query.options());
   float* q = scratch.data_ptr<float>();
   float* scores = q + query_floats;
   float* parts = scores + items * score_floats;
   float* latents = parts + items * part_floats;
-  const float* qn = q_nope.data_ptr<float>();
-  const float* qr = q_rope.data_ptr<float>();
+  const float* c = rotary ? cos.data_ptr<float>() + position * dr : nullptr;
+  const float* sn = rotary ? sin.data_ptr<float>() + position * dr : nullptr;
+  float* held = rows.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b) {  // the token's row: [latent normalised, key rotated]
+    float* row = held + (b * capacity + position) * width;
+    std::copy_n(compressed.data_ptr<float>() + b * width, width, row);
+    if (norm.numel()) {
+      // an eps below float32's smallest normal value counts as that value, as in RMSNorm
+      const float eps = std::max(static_cast<float>(norm_eps), std::numeric_limits<float>::min());
+      rms_norm(row, r, norm.data_ptr<float>(), eps, static_cast<float>(norm_offset));
+    }
+    if (rotary) rotate(row + r, c, sn, dr);
+  }
+  const float* qp = query.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  const float* held = rows.data_ptr<float>();
   at::parallel_for(0, batch * heads, grain_for(dn * r), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads;
-      latent_query(L, qn + b * heads * dn, qr + b * heads * dr, wp, i % heads,
-                   q + b * heads * L.width());
+      latent_query(L, qp + b * heads * (dn + dr), c, sn, wp, i % heads, q + b * heads * width);
     }
   });
-  at::parallel_for(0, items, grain_for(chunk * L.width()), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, grain_for(chunk * width), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / chunks, t0 = (item % chunks) * chunk;
-      latent_chunk(L, q + b * heads * L.width(), held + (b * capacity + t0) * L.width(),
+      latent_chunk(L, q + b * heads * width, held + (b * capacity + t0) * width,
                    std::min(chunk, count - t0), scores + item * score_floats,
                    parts + item * part_floats);
     }
@@ -1692,7 +1738,7 @@ at::Tensor latent_step(const at::Tensor& q_nope, const at::Tensor& q_rope, const
                    o + i * L.dv);
     }
   });
-  if (!all_finite(o, out.numel())) return at::empty({0}, q_nope.options());
+  if (!all_finite(o, out.numel())) return at::empty({0}, query.options());
   return out;
 }
 
@@ -1777,11 +1823,15 @@ at::Tensor linear_rows_direct(const at::Tensor& x, const at::Tensor& w, const at
   }
 }
 
-at::Tensor latent_step_direct(const at::Tensor& q_nope, const at::Tensor& q_rope,
-                              const at::Tensor& rows, const at::Tensor& w, int64_t count,
-                              double scale) {
+at::Tensor latent_step_direct(const at::Tensor& query, const at::Tensor& compressed,
+                              const at::Tensor& norm, double norm_eps, double norm_offset,
+                              const at::Tensor& cos, const at::Tensor& sin, int64_t position,
+                              at::Tensor rows, const at::Tensor& w, double scale) {
   try {
-    return latent_step(q_nope, q_rope, rows, w, count, scale);
+    auto out = latent_step(query, compressed, norm, norm_eps, norm_offset, cos, sin, position,
+                           rows, w, scale);
+    bump_version(rows);  // written, as the dispatcher marks a Tensor(a!) argument
+    return out;
   } catch (const c10::Error& error) {
     throw std::runtime_error(error.what_without_backtrace());
   }
@@ -1805,8 +1855,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
   m.def("latent_step", &latent_step_direct,
         "multi-head latent attention's absorbed step: (b, heads, dv) before o_proj",
-        py::arg("q_nope"), py::arg("q_rope"), py::arg("rows"), py::arg("w"), py::arg("count"),
-        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("query"), py::arg("compressed"), py::arg("norm"), py::arg("norm_eps"),
+        py::arg("norm_offset"), py::arg("cos"), py::arg("sin"), py::arg("position"),
+        py::arg("rows"), py::arg("w"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("bfloat16_products", [] { return kPairs<int8_t>; },
         "Whether an int8 or bfloat16 cache read by several query heads per key/value head "
         "multiplies in bfloat16 (AVX512_BF16), else float32");
