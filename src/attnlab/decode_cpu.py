@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnlab import _build
+from attnlab import _build, debug
 from attnlab.kv_cache import KVCache
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
@@ -66,6 +66,22 @@ def loaded() -> bool:
     """True when the kernel is already built and loaded; unlike `available`, never starts a
     build (a few rows through attnlab.matvec take it only once decoding has built it)."""
     return _build.is_loaded(_NAME) and load_error() is None
+
+
+def computes(*tensors: torch.Tensor) -> bool:
+    """Whether linear_rows and latent_step may compute from `tensors` what torch's own
+    operations would: every one a float32 CPU tensor, none a lazily negated view (its memory
+    is not its values); no gradient wanted (they record no autograd history, forward-mode
+    tangents included); no CPU autocast (which would cast torch's inputs); and the extension
+    already loaded (`loaded`: this never starts a build)."""
+    if torch.is_autocast_enabled("cpu") or debug.under_transform():
+        return False
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu or t.is_neg():
+            return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return loaded()
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab import debug, decode_cpu
+from attnlab import decode_cpu
 
 _BLOCKS = 4  # blocks of weight rows, one batched matrix product each
 # torch's own batched products, not the names torch.bmm / torch.baddbmm (which a user may
@@ -44,19 +44,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _native_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the native kernel computes this product: float32 throughout, no gradient
-    wanted (it records no autograd history, forward-mode tangents included), no autocast
-    (which would cast F.linear's inputs), no lazily negated x (its memory is not its
-    values), and the extension already loaded (a cache made for decoding builds it; a few
-    rows never start a 15 s build)."""
+    """Whether the native kernel computes this product: decode_cpu.computes (float32, no
+    gradient, autocast or tangent wanted, the extension already loaded: a cache made for
+    decoding builds it, a few rows never start a 15 s build) with a contiguous weight and
+    bias."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    if any(t.dtype != torch.float32 for t in tensors) or not weight.is_contiguous():
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    if x.is_neg() or torch.is_autocast_enabled(x.device.type) or debug.under_transform():
-        return False
-    return (bias is None or bias.is_contiguous()) and decode_cpu.loaded()
+    contiguous = weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    return contiguous and decode_cpu.computes(*tensors)
 
 
 def few_rows(x: torch.Tensor) -> bool:

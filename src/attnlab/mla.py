@@ -499,15 +499,12 @@ class MultiHeadLatentAttention(nn.Module):
         if not _AS_DEFINED(type(self)) or not self.__dict__.keys().isdisjoint(_METHODS):
             return None  # a subclass's or the instance's own step: the Python path runs it
         rows = cache.rows
-        if type(rows) is not torch.Tensor or not rows.is_cpu:
+        if type(rows) is not torch.Tensor or not rows.is_cpu or options["dropout_p"]:
             return None
         read = (*projected, self.kv_b_proj.weight, rows)  # what the step reads
-        if any(t.dtype != torch.float32 for t in read) or torch.is_autocast_enabled("cpu"):
+        if not decode_cpu.computes(*read):  # float32, no gradient, autocast or tangent
             return None
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in read)
-        if grad or options["dropout_p"] or debug.under_transform():  # tangents too
-            return None
-        if not (plan.no_active_modes() and plan.no_global_hooks() and decode_cpu.loaded()):
+        if not (plan.no_active_modes() and plan.no_global_hooks()):
             return None
         r, dr = self.kv_lora_rank, self.qk_rope_head_dim
         return plan.latent_tables(self.kv_a_layernorm, self.rope, r, dr, start)
