@@ -291,7 +291,7 @@ class MultiHeadLatentAttention(nn.Module):
                 f"the module takes no position beyond it"
             )
         if dtype == torch.float32 and torch.device(device).type == "cpu":
-            decode_cpu.available()  # decoding starts: build the kernel matvec's rows take
+            decode_cpu.available()  # decoding starts here: build the native step (once)
         return LatentCache(
             batch_size,
             max_tokens,
