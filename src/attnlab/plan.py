@@ -339,18 +339,27 @@ def _with_own_norms(
     weights; else None."""
     if not norm_code_as_written():
         return None  # a class-level patch of its forward
-    q_weight, k_weight = _own_norm_weight(q_norm, q_dim), _own_norm_weight(k_norm, k_dim)
-    if q_weight is None or k_weight is None:
-        return None
-    q_state, k_state = q_norm.__dict__, k_norm.__dict__  # a deleted one: the norm's own error
-    eps, offset = q_state.get("eps"), q_state.get("offset")
-    if (eps, offset) != (k_state.get("eps"), k_state.get("offset")):
+    q_own, k_own = _own_norm(q_norm, q_dim), _own_norm(k_norm, k_dim)
+    if q_own is None or k_own is None or q_own[1:] != k_own[1:]:
         return None  # the kernel takes one eps and one offset for both
+    (q_weight, eps, offset), k_weight = q_own, k_own[0]
+    return weights._replace(q_norm=q_weight, k_norm=k_weight, norm_eps=eps, norm_offset=offset)
+
+
+def _own_norm(norm: object, dim: int) -> tuple[torch.Tensor, float, float] | None:
+    """(weight, eps, offset) of a pristine attnlab RMSNorm over `dim` features
+    (_own_norm_weight) whose eps and offset are floats within float32's range; else None.
+    RMSNorm's code is the caller's to check (norm_code_as_written)."""
+    weight = _own_norm_weight(norm, dim)
+    if weight is None:
+        return None
+    state = norm.__dict__  # a deleted one: the norm's own error on the Python path
+    eps, offset = state.get("eps"), state.get("offset")
     if type(eps) is not float or type(offset) is not float:
         return None  # set to something else since construction checked them
     if eps > _FLOAT32_MAX or abs(offset) > _FLOAT32_MAX:
         return None  # past what the kernel's float32 holds: the Python path computes it
-    return weights._replace(q_norm=q_weight, k_norm=k_weight, norm_eps=eps, norm_offset=offset)
+    return weight, eps, offset
 
 
 def _own_norm_weight(norm: object, dim: int) -> torch.Tensor | None:
@@ -375,8 +384,8 @@ def latent_tables(
 ) -> decode_cpu.LatentTables | None:
     """What multi-head latent attention's native step reads in place of its latent norm
     and rotary embedding, when each is None or attnlab's own, pristine: RMSNorm over r
-    features (_own_norm_weight; eps and offset floats within float32), RotaryEmbedding of
-    dr features with float32 CPU tables covering `position` (_own_rope_tables); else None.
+    features (_own_norm), RotaryEmbedding of dr features with float32 CPU tables covering
+    `position` (_own_rope_tables); else None.
 
     Args:
         norm: the module's kv_a_layernorm.
@@ -389,22 +398,17 @@ def latent_tables(
         decode_cpu.LatentTables (empty tensors for an absent norm or rope), or None.
     """
     none = decode_cpu.EMPTY
-    weight, eps, offset = none, 1e-6, 0.0
+    own = (none, 1e-6, 0.0)  # no norm: an empty weight (eps and offset unread)
     if norm is not None:
-        weight = _own_norm_weight(norm, r) if norm_code_as_written() else None
-        if weight is None:
+        own = _own_norm(norm, r) if norm_code_as_written() else None
+        if own is None:
             return None
-        eps, offset = norm.__dict__.get("eps"), norm.__dict__.get("offset")
-        if type(eps) is not float or type(offset) is not float:
-            return None  # set to something else since construction checked them
-        if eps > _FLOAT32_MAX or abs(offset) > _FLOAT32_MAX:
-            return None  # past what the kernel's float32 holds: the Python path computes it
     cos = sin = none
     if rope is not None:
         cos, sin = _own_rope_tables(rope, dr)
         if cos is None or cos.shape[0] <= position:
             return None
-    return decode_cpu.LatentTables(weight, eps, offset, cos, sin)
+    return decode_cpu.LatentTables(*own, cos, sin)
 
 
 def _float32_linear(

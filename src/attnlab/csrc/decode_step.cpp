@@ -273,6 +273,12 @@ void rotate(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+// A norm's eps as rms_norm takes it: in float32, and one below float32's smallest normal
+// value counts as that value, as in RMSNorm.
+inline float norm_epsilon(double eps) {
+  return std::max(static_cast<float>(eps), std::numeric_limits<float>::min());
+}
+
 // x <- RMSNorm(x) over n features as attnlab.norms.RMSNorm computes it: x / s over
 // sqrt(mean((x / s)^2) + eps / s^2), s = max(1, max |x|) (no square overflows), times
 // (offset + w).
@@ -1226,6 +1232,19 @@ void check_device(const at::Tensor& t, const char* name, const at::Tensor& x,
               ": every tensor must be on one device");
 }
 
+// A float the kernel computes with in float32 (a scale, a norm's eps): > 0 and finite there.
+void check_positive_float32(double value, const char* name, const char* op = "decode_step") {
+  TORCH_CHECK(std::isfinite(value) && value > 0 && value <= std::numeric_limits<float>::max(), op,
+              ": ", name, " (", value, ") must be > 0 and finite in float32, the dtype the "
+              "kernel computes in (at most ", std::numeric_limits<float>::max(), ")");
+}
+
+// A float the kernel adds in float32 (a norm's offset): finite there.
+void check_finite_float32(double value, const char* name, const char* op = "decode_step") {
+  TORCH_CHECK(std::isfinite(value) && std::abs(value) <= std::numeric_limits<float>::max(), op,
+              ": ", name, " (", value, ") must be finite in float32");
+}
+
 // Whether two contiguous tensors' bytes overlap (an empty tensor overlaps nothing).
 bool overlap(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
@@ -1366,9 +1385,7 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   TORCH_CHECK(count >= 1 && count <= cap - first, "decode_step: count (", count,
               ") must be in [1, capacity ", cap, " - first ", first, "]");
   TORCH_CHECK(block >= 1, "decode_step: block (", block, ") must be >= 1");
-  TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
-              "decode_step: scale (", scale, ") must be > 0 and finite in float32, the dtype the "
-              "kernel computes in (at most ", std::numeric_limits<float>::max(), ")");
+  check_positive_float32(scale, "scale");
   // query/key norms: both or neither; per head (hd each) or over the projections (d_out
   // for the queries, kv_heads * hd for the keys)
   TORCH_CHECK(q_norm.defined() && k_norm.defined(), "decode_step: q_norm and k_norm must be "
@@ -1384,13 +1401,8 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
                 "decode_step: q_norm must be (hd ", hd, ",) per head or (d_out ", d_out,
                 ",) over the projection, got shape ", q_norm.sizes());
     check_shape(k_norm, "k_norm", {norm_per_head ? hd : kv_heads * hd});
-    TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0 &&
-                    norm_eps <= std::numeric_limits<float>::max(),
-                "decode_step: norm_eps (", norm_eps, ") must be > 0 and finite in float32 (at "
-                "most ", std::numeric_limits<float>::max(), ")");
-    TORCH_CHECK(std::isfinite(norm_offset) &&
-                    std::abs(norm_offset) <= std::numeric_limits<float>::max(),
-                "decode_step: norm_offset (", norm_offset, ") must be finite in float32");
+    check_positive_float32(norm_eps, "norm_eps");
+    check_finite_float32(norm_offset, "norm_offset");
   }
   // the written buffers against each other and every input, before anything is written
   const std::pair<const at::Tensor*, const char*> written[] = {
@@ -1425,8 +1437,7 @@ at::Tensor decode_step(const at::Tensor& x, const at::Tensor& w_qkv, const at::T
   if (normed) {  // each head's (or the whole projection's) queries and keys, before rotation
     const float* qw = q_norm.data_ptr<float>();
     const float* kw = k_norm.data_ptr<float>();
-    // an eps below float32's smallest normal value counts as that value, as in RMSNorm
-    const float eps = std::max(static_cast<float>(norm_eps), std::numeric_limits<float>::min());
+    const float eps = norm_epsilon(norm_eps);
     const float offset = static_cast<float>(norm_offset);
     for (int64_t b = 0; b < batch; ++b) {
       float* row = q + b * d_qkv;  // (heads * hd queries, kv_heads * hd keys, values)
@@ -1658,16 +1669,11 @@ at::Tensor latent_step(const at::Tensor& query, const at::Tensor& compressed,
               ") must be heads (", heads, ") x (dn ", dn, " + dv >= 1)");
   TORCH_CHECK(position >= 0 && position < capacity, op, ": position (", position,
               ") must be in [0, capacity ", capacity, ")");
-  TORCH_CHECK(std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
-              op, ": scale (", scale, ") must be > 0 and finite in float32");
+  check_positive_float32(scale, "scale", op);
   check_bias(norm, "norm", r, op);  // empty: no latent norm
   if (norm.numel()) {
-    TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0 &&
-                    norm_eps <= std::numeric_limits<float>::max(), op, ": norm_eps (",
-                norm_eps, ") must be > 0 and finite in float32");
-    TORCH_CHECK(std::isfinite(norm_offset) &&
-                    std::abs(norm_offset) <= std::numeric_limits<float>::max(), op,
-                ": norm_offset (", norm_offset, ") must be finite in float32");
+    check_positive_float32(norm_eps, "norm_eps", op);
+    check_finite_float32(norm_offset, "norm_offset", op);
   }
   TORCH_CHECK(cos.defined() && sin.defined(), op, ": cos and sin must be defined");
   const bool rotary = cos.numel() > 0 || sin.numel() > 0;
@@ -1708,9 +1714,8 @@ at::Tensor latent_step(const at::Tensor& query, const at::Tensor& compressed,
     float* row = held + (b * capacity + position) * width;
     std::copy_n(compressed.data_ptr<float>() + b * width, width, row);
     if (norm.numel()) {
-      // an eps below float32's smallest normal value counts as that value, as in RMSNorm
-      const float eps = std::max(static_cast<float>(norm_eps), std::numeric_limits<float>::min());
-      rms_norm(row, r, norm.data_ptr<float>(), eps, static_cast<float>(norm_offset));
+      rms_norm(row, r, norm.data_ptr<float>(), norm_epsilon(norm_eps),
+               static_cast<float>(norm_offset));
     }
     if (rotary) rotate(row + r, c, sn, dr);
   }
