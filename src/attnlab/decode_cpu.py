@@ -274,9 +274,11 @@ def _call(x, weights, heads, scale, cache, window, start) -> torch.Tensor | None
 _OVERFLOW = "decode_step: the output is not finite"
 
 
+@functools.cache  # looked up per call by linear_rows and latent_step: once is enough
 def binding():
-    """The extension's Python module (its functions bound directly: decode_step, and the
-    call plan's lane, attnlab.plan.decode_lane); the extension must be available."""
+    """The extension's Python module (its functions bound directly: decode_step,
+    linear_rows, latent_step, and the call plan's lane, attnlab.plan.decode_lane); the
+    extension must be available (a failed lookup raises and is not cached)."""
     return _build.python_module(_NAME)
 
 
