@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnlab import debug, decode_cpu, functional
+from attnlab import debug, decode_cpu, functional, plan
 from attnlab.latent_cache import LatentCache
 from attnlab.mla import MultiHeadLatentAttention, mscale_factor
 from tests.definitions import reference, rope_reference
@@ -298,9 +298,10 @@ def test_deepseek_v3_heads_cross_over_at_170_queries():
 
 def _keys_per_call(monkeypatch):
     """The key heads functional.attend gets on each call: 1 absorbed, num_heads expanded;
-    "native" for a call decode_cpu.latent_step computes (absorbed, in C++)."""
+    "native" for a call decode_cpu.latent_step computes (absorbed, in C++), or the lane
+    (plan.latent_lane: the whole step in C++)."""
     heads = []
-    original, native = functional.attend, decode_cpu.latent_step
+    original, native, lane = functional.attend, decode_cpu.latent_step, plan.latent_lane
 
     def spy(q, k, v, **kwargs):
         heads.append(k.shape[1])
@@ -310,8 +311,15 @@ def _keys_per_call(monkeypatch):
         heads.append("native")
         return native(*args)
 
+    def lane_spy(*args):
+        out = lane(*args)
+        if out is not None:
+            heads.append("native")
+        return out
+
     monkeypatch.setattr(functional, "attend", spy)
     monkeypatch.setattr(decode_cpu, "latent_step", native_spy)
+    monkeypatch.setattr(plan, "latent_lane", lane_spy)
     return heads
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from attnlab import kv_cache
+from attnlab import _own_code, kv_cache
 from attnlab._validate import check_device, check_size
 
 NARROWER = (torch.bfloat16, torch.float16)  # stored narrower than given, read back wider
@@ -294,6 +294,17 @@ class LatentCache:
             )
         if latent.shape[1] == 0:
             raise ValueError("latent holds no tokens: nothing to append")
+
+
+# multi-head latent attention's native lane stands for its methods (csrc/latent_plan.h): a
+# class-level patch takes the Python path, which calls them
+_AS_DEFINED = _own_code.as_defined(LatentCache)
+
+
+def code_as_written() -> bool:
+    """True when LatentCache's methods and properties are the ones this file defines (no
+    class patch)."""
+    return _AS_DEFINED(LatentCache)
 
 
 def check_latent_dtype(dtype: object) -> torch.dtype | None:

@@ -338,6 +338,16 @@ class MultiHeadLatentAttention(nn.Module):
                 non-finite input, a mask that does not fit, absorb=True with a kv_b_proj
                 it cannot read.
         """
+        if (
+            cache is not None
+            and mask is None
+            and need_weights is False
+            and absorb is None
+            and not torch.compiler.is_compiling()  # a trace takes the Python path
+        ):
+            out = plan.latent_lane(self, x, cache)  # the plan and the whole step in C++
+            if out is not None:
+                return out
         x = check_tensor(
             "x", x, ndims=(3,), layout="(batch, tokens, d_model)", last_dim=self.d_model,
             last_dim_name="d_model",

@@ -51,6 +51,8 @@ from torch.nn.modules import module as _module
 from attnlab import debug, decode_cpu, matvec
 from attnlab.kv_cache import KVCache
 from attnlab.kv_cache import code_as_written as cache_code_as_written
+from attnlab.latent_cache import LatentCache
+from attnlab.latent_cache import code_as_written as latent_cache_code_as_written
 from attnlab.norms import RMSNorm
 from attnlab.norms import code_as_written as norm_code_as_written
 from attnlab.rope import RotaryEmbedding
@@ -58,6 +60,7 @@ from attnlab.rope import code_as_written as rope_code_as_written
 
 if TYPE_CHECKING:
     from attnlab.attention import MultiHeadAttention
+    from attnlab.mla import MultiHeadLatentAttention
 
 _LINEAR_TENSORS = frozenset({"weight", "bias"})
 _ROPE_TENSORS = frozenset({"cos", "sin"})
@@ -126,8 +129,22 @@ def _fresh_state(module_class: type) -> frozenset[str]:
         RotaryEmbedding: lambda: RotaryEmbedding(2, 1),
         RMSNorm: lambda: RMSNorm(1, device="meta"),
         KVCache: lambda: KVCache(1, 1, 1, 1, device="meta"),
+        LatentCache: lambda: LatentCache(1, 1, 1, 0, device="meta"),
     }[module_class]()
     return frozenset(fresh.__dict__)
+
+
+@functools.cache
+def _fresh_latent_state() -> frozenset[str]:
+    """The instance attributes a fresh MultiHeadLatentAttention holds, with and without
+    low-rank queries, latent norms and rotary dims."""
+    from attnlab.mla import MultiHeadLatentAttention  # mla imports this module
+
+    made = (  # on meta: no random draw
+        MultiHeadLatentAttention(4, 1, None, 2, 2, 2, 2, 4, device="meta"),
+        MultiHeadLatentAttention(4, 1, 2, 2, 2, 0, 2, 4, latent_norm=False, device="meta"),
+    )
+    return frozenset().union(*(module.__dict__ for module in made))
 
 
 @functools.cache
@@ -486,23 +503,67 @@ def _fields_as_read() -> bool:
     return _lane() is not None and decode_cpu.binding().classes_as_written()
 
 
-@functools.cache
+def latent_lane(module: MultiHeadLatentAttention, x: object, cache: object) -> torch.Tensor | None:
+    """module(x, cache=cache) through multi-head latent attention's native step, its plan read
+    in C++ (csrc/latent_plan.h), else None with the position unmoved.
+
+    It takes a call only where forward's checks would pass and the module's Python path
+    would take the native step (MultiHeadLatentAttention._native_tables, absorbed by the
+    default rule), and beyond them only for exact classes (MultiHeadLatentAttention,
+    LatentCache), no gradient mode and layers of sizes under 2^20 (the rule's products in
+    64 bits); it computes the projections too. A step that is not finite is None (the
+    Python path then computes it, or names the overflow). Forward asks it first (outside
+    compilation), for a call with a cache and no mask, weights or absorb given. It never
+    starts the extension's build: make_cache does, for a float32 CPU module.
+
+    Args:
+        module: the MultiHeadLatentAttention called.
+        x: its input, any object (the lane reads exact tensors only).
+        cache: the cache given, any object.
+
+    Returns:
+        The output (b, 1, d_model), or None.
+    """
+    if not decode_cpu.loaded():
+        return None
+    return _lanes().latent_lane(module, x, cache)
+
+
 def _lane():
-    """The extension's decode_lane, set up with this module's references (the classes whose
-    code the fast paths stand for, their tests and fresh attributes), or None without it."""
+    """The extension's decode_lane, set up (_lanes), or None without the extension."""
+    lanes = _lanes()
+    return None if lanes is None else lanes.decode_lane
+
+
+@functools.cache
+def _lanes():
+    """The extension, its lanes set up with this module's references (the classes whose code
+    the fast paths stand for, their tests and fresh attributes), or None without it."""
     if not decode_cpu.available():
         return None
     from attnlab.attention import _AS_DEFINED, MultiHeadAttention
+    from attnlab.mla import _AS_DEFINED as _LATENT_AS_DEFINED
+    from attnlab.mla import MultiHeadLatentAttention
 
     binding = decode_cpu.binding()
     binding.plan_setup(
-        (MultiHeadAttention, nn.Linear, RotaryEmbedding, RMSNorm, KVCache),
+        (
+            MultiHeadAttention,
+            nn.Linear,
+            RotaryEmbedding,
+            RMSNorm,
+            KVCache,
+            MultiHeadLatentAttention,
+            LatentCache,
+        ),
         (
             functools.partial(_AS_DEFINED, MultiHeadAttention),
             linear_code_as_torch_wrote_it,
             rope_code_as_written,
             norm_code_as_written,
             cache_code_as_written,
+            functools.partial(_LATENT_AS_DEFINED, MultiHeadLatentAttention),
+            latent_cache_code_as_written,
         ),
         (
             _fresh_attention_state(),
@@ -510,6 +571,8 @@ def _lane():
             _fresh_state(RotaryEmbedding),
             _fresh_state(RMSNorm),
             _fresh_state(KVCache),
+            _fresh_latent_state(),
+            _fresh_state(LatentCache),
         ),
         nn.Parameter,
         torch.Tensor,
@@ -518,7 +581,7 @@ def _lane():
         _F_LINEAR,
         torch.autograd.forward_ad,
     )
-    return binding.decode_lane
+    return binding
 
 
 def _cache_suits(module: MultiHeadAttention, cache: KVCache) -> bool:

@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 #include <limits>
 #include <optional>
@@ -41,8 +42,11 @@
 
 namespace {
 
-// the classes whose code the lane stands for, in plan_setup's order
-enum Watched { kAttention, kLinear, kRope, kNorm, kCache, kWatched };
+// the classes whose code the lanes stand for, in plan_setup's order (the last two are
+// multi-head latent attention's: its lane, latent_plan.h)
+enum Watched {
+  kAttention, kLinear, kRope, kNorm, kCache, kLatentAttention, kLatentCache, kWatched
+};
 constexpr int64_t kLargest = int64_t{1} << 40;  // sizes past this are not a layer's
 constexpr double kFloat32Max = std::numeric_limits<float>::max();
 
@@ -70,6 +74,10 @@ struct Names {
       *qkv_proj, *out_proj, *rope, *q_norm, *k_norm, *weight, *bias, *cos, *sin, *eps, *offset,
       *hooks[4], *batch_size, *head_dim, *tokens_last, *keys_t, *values_t, *key_scales,
       *value_scales, *position, *capacity, *block, *current_level, *linear;
+  // multi-head latent attention's (latent_plan.h)
+  PyObject *d_model, *q_lora_rank, *kv_lora_rank, *qk_nope_head_dim, *qk_rope_head_dim,
+      *v_head_dim, *q_proj, *q_a_proj, *q_a_layernorm, *q_b_proj, *kv_a_proj_with_mqa,
+      *kv_a_layernorm, *kv_b_proj, *o_proj, *max_tokens, *rows, *softmax_scale;
 };
 Names names;
 
@@ -89,6 +97,23 @@ void make_names() {
                 intern("_keys_t"), intern("_values_t"), intern("_key_scales"),
                 intern("_value_scales"), intern("position"), intern("capacity"),
                 intern("block"), intern("_current_level"), intern("linear")};
+  names.d_model = intern("d_model");
+  names.q_lora_rank = intern("q_lora_rank");
+  names.kv_lora_rank = intern("kv_lora_rank");
+  names.qk_nope_head_dim = intern("qk_nope_head_dim");
+  names.qk_rope_head_dim = intern("qk_rope_head_dim");
+  names.v_head_dim = intern("v_head_dim");
+  names.q_proj = intern("q_proj");
+  names.q_a_proj = intern("q_a_proj");
+  names.q_a_layernorm = intern("q_a_layernorm");
+  names.q_b_proj = intern("q_b_proj");
+  names.kv_a_proj_with_mqa = intern("kv_a_proj_with_mqa");
+  names.kv_a_layernorm = intern("kv_a_layernorm");
+  names.kv_b_proj = intern("kv_b_proj");
+  names.o_proj = intern("o_proj");
+  names.max_tokens = intern("max_tokens");
+  names.rows = intern("_rows");
+  names.softmax_scale = intern("scale");
 }
 
 // An object's instance dictionary (a new reference), or null.
@@ -223,13 +248,18 @@ bool as_written(Watched which) {
   return written;
 }
 
-// Every watched class runs its own code (as_written): asked before anything is read, since
-// a class's test is Python, which could change what the lane holds references into
-bool classes_as_written() {
-  for (int which = 0; which < kWatched; ++which) {
-    if (!as_written(static_cast<Watched>(which))) return false;
+// Each class a lane reads runs its own code (as_written): asked before anything is read,
+// since a class's test is Python, which could change what the lane holds references into
+bool classes_as_written(std::initializer_list<Watched> read) {
+  for (Watched which : read) {
+    if (!as_written(which)) return false;
   }
   return true;
+}
+
+// The classes the decode lane reads
+bool attention_classes_as_written() {
+  return classes_as_written({kAttention, kLinear, kRope, kNorm, kCache});
 }
 
 // An instance of exactly `which`'s class (whose code classes_as_written vouched for) holding
@@ -454,7 +484,7 @@ bool read_cache(PyObject* cache, const Layer& layer, int64_t batch, Call& call) 
 
 // The call when the lane takes module(x, cache=cache), else nothing
 std::optional<Call> plan_for(PyObject* module, PyObject* x, PyObject* cache) {
-  if (!spec.ready || !quiet_state() || !classes_as_written()) return std::nullopt;
+  if (!spec.ready || !quiet_state() || !attention_classes_as_written()) return std::nullopt;
   const at::Tensor* token = tensor_of(x, spec.tensor);
   if (token == nullptr || !float_memory(*token) || token->dim() != 3 || token->size(1) != 1) {
     return std::nullopt;
@@ -641,6 +671,15 @@ void plan_setup(pybind11::tuple classes, pybind11::tuple as_written, pybind11::t
                     names.position, names.block, names.tokens_last, names.window,
                     names.keys_t, names.values_t, names.key_scales, names.value_scales,
                     getattribute, intern("__setattr__")};
+  fields[kLatentAttention] = {
+      names.d_model, names.num_heads, names.q_lora_rank, names.kv_lora_rank,
+      names.qk_nope_head_dim, names.qk_rope_head_dim, names.v_head_dim, names.context_length,
+      names.causal, names.training, names.dropout, names.modules, names.rope, names.q_proj,
+      names.q_a_proj, names.q_a_layernorm, names.q_b_proj, names.kv_a_proj_with_mqa,
+      names.kv_a_layernorm, names.kv_b_proj, names.o_proj, getattribute, getattr};
+  fields[kLatentCache] = {names.batch_size, names.max_tokens, names.kv_lora_rank,
+                          names.qk_rope_head_dim, names.position, names.rows, getattribute,
+                          intern("__setattr__")};
   for (int i = 0; i < kWatched; ++i) {
     class_level[i].clear();
     for (PyObject* name : fields[i]) class_level[i].push_back(class_lookup(spec.classes[i], name));
@@ -650,7 +689,7 @@ void plan_setup(pybind11::tuple classes, pybind11::tuple as_written, pybind11::t
 
 // classes_as_written for plan.py's own native step (the reference reads the same fields
 // from instances' dictionaries): False before plan_setup
-bool watched_classes_as_written() { return spec.ready && classes_as_written(); }
+bool watched_classes_as_written() { return spec.ready && attention_classes_as_written(); }
 
 void bind_plan(pybind11::module_& m) {
   m.def("classes_as_written", &watched_classes_as_written,

@@ -1846,6 +1846,8 @@ at::Tensor latent_step_direct(const at::Tensor& query, const at::Tensor& compres
 
 // the call plan's lane (forward's one-token cached calls: the plan read in C++, then the op)
 #include "decode_plan.h"
+// multi-head latent attention's lane (its plan read in C++, then the whole step)
+#include "latent_plan.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step_direct, "attnlab_decode::decode_step, bound directly",
@@ -1867,4 +1869,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether an int8 or bfloat16 cache read by several query heads per key/value head "
         "multiplies in bfloat16 (AVX512_BF16), else float32");
   bind_plan(m);
+  bind_latent_plan(m);
 }
