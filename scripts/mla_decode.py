@@ -1,7 +1,9 @@
-"""MultiHeadLatentAttention's cached one-token step on the CPU with attnlab's native kernels
-(decode_cpu.linear_rows for its projections, decode_cpu.latent_step for its absorbed
-attention) against the same step without them (decode_cpu.loaded() made False: the blocked
-batched products and the Python absorbed path), side by side in one process.
+"""MultiHeadLatentAttention's cached one-token step on the CPU three ways, side by side in
+one process: "lane", as forward runs it (plan.latent_lane: the plan read in C++, then the
+projections, decode_cpu.latent_step and o_proj in one call); "kernels", the same kernels
+called from the module's Python path (the lane off: forward's checks, decode_cpu.linear_rows
+per projection, decode_cpu.latent_step); "without" them (decode_cpu.loaded() made False:
+the blocked batched products and the Python absorbed path).
 
 The stack is the bench's latent one (attnlab.bench.decode_stack.LATENT: d_model 768, 12
 heads, kv_lora_rank 256, float32, 12 layers), batch 1, its cache cropped back after every
@@ -18,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from attnlab import decode_cpu
+from attnlab import decode_cpu, plan
 from attnlab.bench import timing
 from attnlab.bench.decode_stack import latent_stack
 
@@ -38,9 +40,9 @@ def _step(layers: list, caches: list, context: int):
     return step
 
 
-def _without_kernels(step):
+def _patched(step, owner, name, value):
     def call() -> None:
-        with mock.patch.object(decode_cpu, "loaded", lambda: False):
+        with mock.patch.object(owner, name, value):
             step()
 
     return call
@@ -56,18 +58,24 @@ def main() -> None:
     layers = latent_stack(D_MODEL, HEADS, LAYERS, max(contexts) + 1)
     if not decode_cpu.available():
         raise SystemExit(f"the native kernels are unavailable: {decode_cpu.load_error()}")
-    print("context | native ms | without ms | without / native")
+    print("context | lane ms | kernels ms | without ms | kernels / lane | without / lane")
     with torch.no_grad():
         for context in contexts:
             caches = [layer.make_cache(1, context + 1) for layer in layers]
             for layer, cache in zip(layers, caches, strict=True):
                 layer(torch.randn(1, context, D_MODEL), cache=cache)
             step = _step(layers, caches, context)
-            medians = timing.interleaved_medians(
-                {"native": step, "without": _without_kernels(step)}, rounds=args.rounds
+            arms = {
+                "lane": step,
+                "kernels": _patched(step, plan, "latent_lane", lambda *args: None),
+                "without": _patched(step, decode_cpu, "loaded", lambda: False),
+            }
+            medians = timing.interleaved_medians(arms, rounds=args.rounds)
+            lane, kernels, without = (medians[arm] * 1e3 for arm in arms)
+            print(
+                f"{context} | {lane:.2f} | {kernels:.2f} | {without:.2f} | "
+                f"{kernels / lane:.2f} | {without / lane:.2f}"
             )
-            native, without = medians["native"] * 1e3, medians["without"] * 1e3
-            print(f"{context} | {native:.2f} | {without:.2f} | {without / native:.2f}")
 
 
 if __name__ == "__main__":
