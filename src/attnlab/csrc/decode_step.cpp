@@ -1544,13 +1544,65 @@ void latent_query(const Latent& L, const float* query, const float* cos, const f
   if (cos != nullptr) rotate(qh + L.r, cos, sin, L.dr);
 }
 
-// One chunk of one sequence's rows (n rows from `rows`) for every head: p (heads, n) their
-// scores, then softmax weights against the chunk's own maximum; part (heads, r + 2): each
-// head's weighted latents, then that maximum and the weights' sum (merged by latent_merge).
-void latent_chunk(const Latent& L, const float* q, const float* rows, int64_t n, float* p,
-                  float* part) {
+// out[j * 4 + k] = row_j . q_k for 4 rows and 4 queries (each `n` floats, `width` apart):
+// 16 independent multiply-add chains where a single row's dot4 has 4, whose latency bounds
+// it, and 8 loads per 16 multiply-adds where dot4 has 5 per 4.
+inline void dot4x4(const float* rows, const float* q, int64_t n, int64_t width, float* out) {
+  constexpr int64_t w = Vec::size();
+  Vec s[4][4];
+  ATTNLAB_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    ATTNLAB_UNROLL
+    for (int k = 0; k < 4; ++k) s[j][k] = Vec(0.0f);
+  }
+  int64_t i = 0;
+  for (; i + w <= n; i += w) {
+    Vec qv[4];
+    ATTNLAB_UNROLL
+    for (int k = 0; k < 4; ++k) qv[k] = Vec::loadu(q + k * width + i);
+    ATTNLAB_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const Vec v = Vec::loadu(rows + j * width + i);
+      ATTNLAB_UNROLL
+      for (int k = 0; k < 4; ++k) s[j][k] = at::vec::fmadd(v, qv[k], s[j][k]);
+    }
+  }
+  ATTNLAB_UNROLL
+  for (int j = 0; j < 4; ++j) sum4(s[j][0], s[j][1], s[j][2], s[j][3], out + j * 4);
+  for (; i < n; ++i) {
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int64_t k = 0; k < 4; ++k) out[j * 4 + k] += rows[j * width + i] * q[k * width + i];
+    }
+  }
+}
+
+// Scores of every head for the m rows of a block (p: heads x kLatentTokens): four rows at a
+// time against four heads (dot4x4), the rest a row at a time (dot4, dot), the rows
+// `kLatentAhead` on prefetched into L2.
+void latent_scores(const Latent& L, const float* q, const float* rows, int64_t m, float* p) {
   const int64_t width = L.width(), heads = L.heads;
-  for (int64_t t = 0; t < n; ++t) {  // each row read once for four heads
+  int64_t t = 0;
+  for (; t + 4 <= m && heads >= 4; t += 4) {
+    const float* four = rows + t * width;
+#if defined(ATTNLAB_X86)
+    const char* ahead = reinterpret_cast<const char*>(four + kLatentAhead * width);
+    for (int64_t line = 0; line < width * 16; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+#endif
+    int64_t k = 0;
+    for (; k + 4 <= heads; k += 4) {
+      float s[16];
+      dot4x4(four, q + k * width, width, width, s);
+      for (int64_t j = 0; j < 4; ++j) {
+        for (int64_t i = 0; i < 4; ++i) p[(k + i) * kLatentTokens + t + j] = s[j * 4 + i] * L.scale;
+      }
+    }
+    for (; k < heads; ++k) {
+      for (int64_t j = 0; j < 4; ++j) {
+        p[k * kLatentTokens + t + j] = dot(q + k * width, four + j * width, width) * L.scale;
+      }
+    }
+  }
+  for (; t < m; ++t) {
     const float* row = rows + t * width;
 #if defined(ATTNLAB_X86)
     // a row kLatentAhead on into L2 while this one is multiplied (past the rows: dropped)
@@ -1561,50 +1613,100 @@ void latent_chunk(const Latent& L, const float* q, const float* rows, int64_t n,
     for (; k + 4 <= heads; k += 4) {
       float s[4];
       dot4(row, q + k * width, width, s);
-      for (int64_t j = 0; j < 4; ++j) p[(k + j) * n + t] = s[j] * L.scale;
+      for (int64_t j = 0; j < 4; ++j) p[(k + j) * kLatentTokens + t] = s[j] * L.scale;
     }
-    for (; k < heads; ++k) p[k * n + t] = dot(q + k * width, row, width) * L.scale;
+    for (; k < heads; ++k) p[k * kLatentTokens + t] = dot(q + k * width, row, width) * L.scale;
   }
-  for (int64_t k = 0; k < heads; ++k) {
-    float* pk = p + k * n;
-    float* tail = part + k * (L.r + 2);  // [latents (r), maximum, sum]
-    tail[L.r] = *std::max_element(pk, pk + n);
-    tail[L.r + 1] = exp_sum(pk, n, tail[L.r]);
+}
+
+// a[j] (latents of 4 heads, `stride` apart) += sum_t p[j][t] row_t for the m rows of a block,
+// NV vectors of features from the first: 4 NV sums in registers, each row's vectors loaded
+// once for the 4 heads (NV loads and 4 broadcasts per 4 NV multiply-adds, 4 NV chains).
+template <int NV>
+void latent_values4(const float* p, const float* rows, int64_t width, int64_t m, float* a,
+                    int64_t stride) {
+  constexpr int64_t w = Vec::size();
+  Vec sums[4][NV];
+  ATTNLAB_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    ATTNLAB_UNROLL
+    for (int i = 0; i < NV; ++i) sums[j][i] = Vec::loadu(a + j * stride + i * w);
+  }
+  for (int64_t t = 0; t < m; ++t) {
+    Vec v[NV];
+    ATTNLAB_UNROLL
+    for (int i = 0; i < NV; ++i) v[i] = Vec::loadu(rows + t * width + i * w);
+    ATTNLAB_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const Vec pv(p[j * kLatentTokens + t]);
+      ATTNLAB_UNROLL
+      for (int i = 0; i < NV; ++i) sums[j][i] = at::vec::fmadd(pv, v[i], sums[j][i]);
+    }
+  }
+  ATTNLAB_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    ATTNLAB_UNROLL
+    for (int i = 0; i < NV; ++i) sums[j][i].store(a + j * stride + i * w);
+  }
+}
+
+// part[k][0..r) += sum_t p[k][t] latent_t over the m rows of a block, for every head k.
+void latent_values(const Latent& L, const float* p, const float* rows, int64_t m, float* part) {
+  const int64_t w = Vec::size(), width = L.width(), stride = L.r + 2;
+  int64_t k = 0;
+  for (; k + 4 <= L.heads; k += 4) {  // four heads' sums in registers
+    const float* pk = p + k * kLatentTokens;
+    float* a = part + k * stride;
+    int64_t c = 0;
+    for (; c + 4 * w <= L.r; c += 4 * w) latent_values4<4>(pk, rows + c, width, m, a + c, stride);
+    for (; c + w <= L.r; c += w) latent_values4<1>(pk, rows + c, width, m, a + c, stride);
+    for (; c < L.r; ++c) {
+      for (int64_t t = 0; t < m; ++t) {
+        for (int64_t j = 0; j < 4; ++j) {
+          a[j * stride + c] += pk[j * kLatentTokens + t] * rows[t * width + c];
+        }
+      }
+    }
+  }
+  for (; k < L.heads; ++k) {
+    for (int64_t t = 0; t < m; ++t) {
+      axpy(p[k * kLatentTokens + t], rows + t * width, part + k * stride, L.r);
+    }
+  }
+}
+
+// One chunk of one sequence's rows (n rows from `rows`) for every head, in blocks of
+// kLatentTokens rows read once from memory: each block's scores, their softmax weights
+// against the chunk's running maximum (the sums so far rescaled where it grows, as flash
+// attention does), then the block's weighted latents while its rows are in L2. part
+// (heads, r + 2): each head's weighted latents, then the maximum and the weights' sum
+// (merged by latent_merge); p: heads x kLatentTokens scratch.
+void latent_chunk(const Latent& L, const float* q, const float* rows, int64_t n, float* p,
+                  float* part) {
+  const int64_t width = L.width(), stride = L.r + 2;
+  for (int64_t k = 0; k < L.heads; ++k) {
+    float* tail = part + k * stride;  // [latents (r), maximum, sum]
     std::fill(tail, tail + L.r, 0.0f);
+    tail[L.r] = kNegInf;
+    tail[L.r + 1] = 0.0f;
   }
-  const int64_t w = Vec::size();
-  for (int64_t t0 = 0; t0 < n; t0 += kLatentTokens) {  // a block of rows stays in L2
-    const int64_t t1 = std::min(n, t0 + kLatentTokens);
-    int64_t k = 0;
-    for (; k + 4 <= heads; k += 4) {  // four heads' sums in registers per vector of r
-      const float* p0 = p + k * n;
-      float* a = part + k * (L.r + 2);
-      const int64_t stride = L.r + 2;
-      int64_t c = 0;
-      for (; c + w <= L.r; c += w) {
-        Vec a0 = Vec::loadu(a + c), a1 = Vec::loadu(a + stride + c);
-        Vec a2 = Vec::loadu(a + 2 * stride + c), a3 = Vec::loadu(a + 3 * stride + c);
-        for (int64_t t = t0; t < t1; ++t) {
-          const Vec v = Vec::loadu(rows + t * width + c);
-          a0 = at::vec::fmadd(Vec(p0[t]), v, a0);
-          a1 = at::vec::fmadd(Vec(p0[n + t]), v, a1);
-          a2 = at::vec::fmadd(Vec(p0[2 * n + t]), v, a2);
-          a3 = at::vec::fmadd(Vec(p0[3 * n + t]), v, a3);
-        }
-        a0.store(a + c), a1.store(a + stride + c);
-        a2.store(a + 2 * stride + c), a3.store(a + 3 * stride + c);
+  for (int64_t t0 = 0; t0 < n; t0 += kLatentTokens) {
+    const int64_t m = std::min(kLatentTokens, n - t0);
+    const float* block = rows + t0 * width;
+    latent_scores(L, q, block, m, p);
+    for (int64_t k = 0; k < L.heads; ++k) {
+      float* pk = p + k * kLatentTokens;
+      float* tail = part + k * stride;
+      const float top = std::max(tail[L.r], *std::max_element(pk, pk + m));
+      if (t0 > 0 && top > tail[L.r]) {  // a larger maximum: the sums so far rescaled to it
+        const float factor = std::exp(tail[L.r] - top);
+        for (int64_t c = 0; c < L.r; ++c) tail[c] *= factor;
+        tail[L.r + 1] *= factor;
       }
-      for (; c < L.r; ++c) {
-        for (int64_t t = t0; t < t1; ++t) {
-          for (int64_t j = 0; j < 4; ++j) a[j * stride + c] += p0[j * n + t] * rows[t * width + c];
-        }
-      }
+      tail[L.r] = top;
+      tail[L.r + 1] += exp_sum(pk, m, top);
     }
-    for (; k < heads; ++k) {
-      for (int64_t t = t0; t < t1; ++t) {
-        axpy(p[k * n + t], rows + t * width, part + k * (L.r + 2), L.r);
-      }
-    }
+    latent_values(L, p, block, m, part);
   }
 }
 
@@ -1627,7 +1729,9 @@ void latent_merge(const Latent& L, const float* parts, const float* w, int64_t h
   const float inv = 1.0f / sum;
   for (int64_t i = 0; i < L.r; ++i) latent[i] *= inv;
   const float* w_uv = w + h * L.per_head() + L.dn * L.r;  // the head's dv value rows (dv, r)
-  for (int64_t j = 0; j < L.dv; ++j) out[j] = dot(latent, w_uv + j * L.r, L.r);
+  int64_t j = 0;  // four value rows per read of the latent, their sums reduced in shuffles
+  for (; j + 4 <= L.dv; j += 4) dot4(latent, w_uv + j * L.r, L.r, out + j);
+  for (; j < L.dv; ++j) out[j] = dot(latent, w_uv + j * L.r, L.r);
 }
 
 // Returns (b, heads, dv): each head's output before o_proj, as the module's absorbed path
@@ -1698,9 +1802,9 @@ at::Tensor latent_step(const at::Tensor& query, const at::Tensor& compressed,
                  static_cast<float>(scale)};
   auto out = at::empty({batch, heads, L.dv}, query.options());  // (b, heads, dv)
   // one allocation: the folded queries (b, heads, r + dr), each item's scores (heads,
-  // chunk) and part (heads, r + 2), and a latent (r,) per (sequence, head) for the merge
+  // kLatentTokens) and part (heads, r + 2), and a latent (r,) per (sequence, head) for the merge
   const int64_t query_floats = batch * heads * width, items = batch * chunks;
-  const int64_t score_floats = heads * chunk, part_floats = heads * (r + 2);
+  const int64_t score_floats = heads * kLatentTokens, part_floats = heads * (r + 2);
   auto scratch = at::empty({query_floats + items * (score_floats + part_floats) +
                             batch * heads * r}, query.options());
   float* q = scratch.data_ptr<float>();
