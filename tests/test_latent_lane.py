@@ -293,6 +293,18 @@ INSTANCE = {
     ),
     "training with dropout": lambda m, c, x: (_set(m, "dropout", 0.1), m.train()),
     "not causal": lambda m, c, x: _set(m, "causal", False),
+    "a float64 layer beside the projections": lambda m, c, x: _set(
+        m, "extra", nn.Linear(D_MODEL, 4, dtype=torch.float64)
+    ),
+    "q_proj beside the low-rank queries": lambda m, c, x: _set(
+        m, "q_proj", nn.Linear(D_MODEL, m.q_width, bias=False)
+    ),
+    "the rope None in the dictionary over the module's own": lambda m, c, x: (
+        m.__dict__.__setitem__("rope", None)
+    ),
+    "a scaling the scale cannot read": lambda m, c, x: _set(
+        m, "rope_scaling", {"rope_type": "yarn", "factor": "4", "mscale_all_dim": 1.0}
+    ),
     "an attribute of the cache's own": lambda m, c, x: _set(c, "note", 1),
     "a cache subclass": lambda m, c, x: _set(c, "__class__", type("Sub", (LatentCache,), {})),
     "a cache that recorded grad": lambda m, c, x: c._rows.requires_grad_(True),

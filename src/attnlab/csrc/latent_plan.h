@@ -59,14 +59,45 @@ bool read_latent_layer(PyObject* d, LatentShape& s) {
          (training == Py_True && exact_float(item(d, names.dropout), dropout) && dropout == 0);
 }
 
-// A submodule the module holds under `name`: in its _modules, or None in its dictionary (a
-// submodule never made: no low-rank queries, no latent norm, no rotary dims). `none` says
-// which; false for anything else (deleted: Python's read would raise)
+// A submodule the module holds under `name`, where Python's attribute read finds it: None in
+// its dictionary (a submodule never made: no low-rank queries, no latent norm, no rotary
+// dims), else in its _modules. `none` says which; false for anything else (deleted: Python's
+// read would raise; in both places; anything but None in the dictionary)
 bool child(PyObject* d, PyObject* modules, PyObject* name, PyObject*& out, bool& none) {
+  PyObject* own = item(d, name);
   out = item(modules, name);
-  if (out == nullptr) out = item(d, name);
+  if (own != nullptr) {
+    if (own != Py_None || out != nullptr) return false;
+    out = own;
+  }
   none = out == Py_None;
   return out != nullptr;
+}
+
+// Every submodule the module holds is one the lane reads for its layout: forward checks each
+// child layer's dtype and device, the lane only those it reads
+bool children_read(PyObject* modules, const LatentShape& s) {
+  PyObject* const plain[] = {names.q_proj};
+  PyObject* const low_rank[] = {names.q_a_proj, names.q_a_layernorm, names.q_b_proj};
+  PyObject* const shared[] = {names.kv_a_proj_with_mqa, names.kv_a_layernorm, names.kv_b_proj,
+                              names.o_proj, names.rope};
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(modules, &pos, &key, &value)) {
+    if (!PyUnicode_CheckExact(key)) return false;  // no user __eq__ runs here
+    bool known = false;
+    auto among = [&](auto& list) {
+      for (PyObject* name : list) known = known || PyUnicode_Compare(key, name) == 0;
+    };
+    if (s.q_rank == 0) {
+      among(plain);
+    } else {
+      among(low_rank);
+    }
+    among(shared);
+    if (!known) return false;
+  }
+  return true;
 }
 
 // A latent norm (kv_a_layernorm, q_a_layernorm): None, or attnlab's RMSNorm over `dim`
@@ -120,6 +151,21 @@ bool read_latent_cache(PyObject* cache, const LatentShape& s, int64_t batch, Lat
   return true;
 }
 
+// The module's `scale` property (the class's code where classes_as_written, asked after it,
+// passes): a positive float32-sized float, else false. An error it raises is the Python path's to
+// raise again, but one that is not an Exception (KeyboardInterrupt) goes on from here.
+bool read_scale(PyObject* module, double& scale) {
+  PyObject* value = PyObject_GetAttr(module, names.softmax_scale);
+  if (value == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) throw pybind11::error_already_set();
+    PyErr_Clear();
+    return false;
+  }
+  const bool scaled = exact_float(value, scale) && scale > 0 && scale <= kFloat32Max;
+  Py_DECREF(value);
+  return scaled;
+}
+
 // MultiHeadLatentAttention.absorbs(1, keys): the absorbed path does fewer multiply-adds
 bool absorbs_one(const LatentShape& s, int64_t keys) {
   return keys * (2 * s.r - s.dn - s.dv) < (keys - 1) * s.r * (s.dn + s.dv);
@@ -137,7 +183,16 @@ bool rows_apart(const LatentCall& call) {
 
 // The call when the lane takes module(x, cache=cache), else nothing
 std::optional<LatentCall> latent_plan_for(PyObject* module, PyObject* x, PyObject* cache) {
-  if (!spec.ready || !quiet_state()) return std::nullopt;
+  if (!spec.ready) return std::nullopt;
+  if (reinterpret_cast<PyObject*>(Py_TYPE(module)) != spec.classes[kLatentAttention]) {
+    return std::nullopt;
+  }
+  // the softmax scale as the module's own property computes it (its rotary scaling's
+  // mscale): Python, so asked first, before torch's state, the classes' code (a patched
+  // property is refused there) and anything the lane reads
+  double scale = 0;
+  if (!read_scale(module, scale)) return std::nullopt;
+  if (!quiet_state()) return std::nullopt;
   if (!classes_as_written({kLatentAttention, kLinear, kRope, kNorm, kLatentCache})) {
     return std::nullopt;
   }
@@ -151,9 +206,12 @@ std::optional<LatentCall> latent_plan_for(PyObject* module, PyObject* x, PyObjec
   LatentShape s;
   if (!read_latent_layer(d, s) || token->size(2) != s.d_model) return std::nullopt;
   PyObject* modules = item(d, names.modules);
-  if (modules == nullptr || !PyDict_Check(modules)) return std::nullopt;
+  if (modules == nullptr || !PyDict_Check(modules) || !children_read(modules, s)) {
+    return std::nullopt;
+  }
   LatentCall call;
   call.heads = s.heads;
+  call.scale = scale;
   at::Tensor kvb_bias;
   if (!read_queries(d, modules, s, call) ||
       !linear_child(modules, names.kv_a_proj_with_mqa, s.r + s.dr, s.d_model, call.w_kva,
@@ -177,13 +235,6 @@ std::optional<LatentCall> latent_plan_for(PyObject* module, PyObject* x, PyObjec
     return std::nullopt;
   }
   if (!rows_apart(call)) return std::nullopt;
-  // the softmax scale as the module's own property computes it (its rotary scaling's
-  // mscale): the class's code, vouched for above
-  PyObject* scale = PyObject_GetAttr(module, names.softmax_scale);
-  const bool scaled = exact_float(scale, call.scale) && call.scale > 0 && call.scale <= kFloat32Max;
-  if (scale == nullptr) PyErr_Clear();
-  Py_XDECREF(scale);
-  if (!scaled) return std::nullopt;
   call.x = token->contiguous();  // (b, 1, d_model): a step of a longer x is a strided view
   if (!all_finite(call.x.data_ptr<float>(), call.x.numel())) return std::nullopt;
   return call;
