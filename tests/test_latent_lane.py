@@ -299,8 +299,8 @@ INSTANCE = {
     "q_proj beside the low-rank queries": lambda m, c, x: _set(
         m, "q_proj", nn.Linear(D_MODEL, m.q_width, bias=False)
     ),
-    "the rope None in the dictionary over the module's own": lambda m, c, x: (
-        m.__dict__.__setitem__("rope", None)
+    "the rope None in the dictionary over the module's own": lambda m, c, x: m.__dict__.__setitem__(
+        "rope", None
     ),
     "a scaling the scale cannot read": lambda m, c, x: _set(
         m, "rope_scaling", {"rope_type": "yarn", "factor": "4", "mscale_all_dim": 1.0}
