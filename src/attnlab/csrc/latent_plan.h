@@ -121,7 +121,9 @@ bool linear_child(PyObject* modules, PyObject* name, int64_t out, int64_t in, at
 // The query path: q_proj, or q_a_proj, its norm and q_b_proj
 bool read_queries(PyObject* d, PyObject* modules, const LatentShape& s, LatentCall& call) {
   const int64_t width = s.heads * (s.dn + s.dr);
-  if (s.q_rank == 0) return linear_child(modules, names.q_proj, width, s.d_model, call.w_q, call.b_q);
+  if (s.q_rank == 0) {
+    return linear_child(modules, names.q_proj, width, s.d_model, call.w_q, call.b_q);
+  }
   return linear_child(modules, names.q_a_proj, s.q_rank, s.d_model, call.w_qa, call.b_qa) &&
          latent_norm(d, modules, names.q_a_layernorm, s.q_rank, call.qa_norm, call.qa_eps,
                      call.qa_offset) &&
