@@ -484,3 +484,21 @@ def test_the_lane_takes_a_call_only_where_the_reference_does(layout, changes, ba
         native, want = python_path(twin, x, twin_cache, monkeypatch)
         assert native
         torch.testing.assert_close(m(x, cache=cache), want, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_mode_is_taken_and_a_cache_it_locked_is_refused_outside_it():
+    """Generation loops decode under torch.inference_mode(): taken there, with a cache made
+    inside or outside it; a cache made inside it cannot be written outside it, so the lane
+    refuses and forward names why."""
+    m = build()
+    x = torch.randn(2, 1, D_MODEL)
+    with torch.inference_mode():
+        locked = filled(m)
+        assert takes(m, x, locked)
+        assert takes(m, x, filled(m))
+    with torch.no_grad():
+        assert takes(m, x, filled(m))
+        assert not takes(m, x, locked)
+        with pytest.raises(ValueError, match="inference_mode"):
+            m(x, cache=locked)
+    assert locked.position == TOKENS
