@@ -1576,6 +1576,16 @@ inline void dot4x4(const float* rows, const float* q, int64_t n, int64_t width, 
   }
 }
 
+// The `count` rows kLatentAhead on from `first` (each `width` floats) into L2, while those
+// rows are multiplied (past the rows: dropped, never read).
+inline void prefetch_ahead(const float* first, int64_t count, int64_t width) {
+#if defined(ATTNLAB_X86)
+  const char* ahead = reinterpret_cast<const char*>(first + kLatentAhead * width);
+  const int64_t bytes = count * width * static_cast<int64_t>(sizeof(float));
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+#endif
+}
+
 // Scores of every head for the m rows of a block (p: heads x kLatentTokens): four rows at a
 // time against four heads (dot4x4), the rest a row at a time (dot4, dot), the rows
 // `kLatentAhead` on prefetched into L2.
@@ -1584,10 +1594,7 @@ void latent_scores(const Latent& L, const float* q, const float* rows, int64_t m
   int64_t t = 0;
   for (; t + 4 <= m && heads >= 4; t += 4) {
     const float* four = rows + t * width;
-#if defined(ATTNLAB_X86)
-    const char* ahead = reinterpret_cast<const char*>(four + kLatentAhead * width);
-    for (int64_t line = 0; line < width * 16; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-#endif
+    prefetch_ahead(four, 4, width);
     int64_t k = 0;
     for (; k + 4 <= heads; k += 4) {
       float s[16];
@@ -1604,11 +1611,7 @@ void latent_scores(const Latent& L, const float* q, const float* rows, int64_t m
   }
   for (; t < m; ++t) {
     const float* row = rows + t * width;
-#if defined(ATTNLAB_X86)
-    // a row kLatentAhead on into L2 while this one is multiplied (past the rows: dropped)
-    const char* ahead = reinterpret_cast<const char*>(row + kLatentAhead * width);
-    for (int64_t line = 0; line < width * 4; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-#endif
+    prefetch_ahead(row, 1, width);
     int64_t k = 0;
     for (; k + 4 <= heads; k += 4) {
       float s[4];
