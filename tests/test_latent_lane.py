@@ -15,8 +15,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlab import KVCache, decode_cpu, plan
 from attnlab.latent_cache import LatentCache
@@ -24,6 +22,7 @@ from attnlab.mla import MultiHeadLatentAttention
 from attnlab.norms import RMSNorm
 from attnlab.rope import RotaryEmbedding
 from tests.test_mla import mla_reference
+from tests.test_plan_lane import STATES
 
 pytestmark = pytest.mark.skipif(
     not decode_cpu.available(), reason="the native decode step is unavailable here"
@@ -141,24 +140,7 @@ def test_a_first_token_into_an_empty_cache_is_left_to_the_rule_as_the_module_lea
         assert m.absorbs(1, 2) and takes(m, x, cache)
 
 
-class _Mode(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-class _Dispatch(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-# each a state of torch's under which the lane must not run
-STATES = {
-    "grad mode": lambda: torch.enable_grad(),
-    "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-    "a function mode": lambda: _Mode(),
-    "a dispatch mode": lambda: _Dispatch(),
-    "forward-mode AD": lambda: torch.autograd.forward_ad.dual_level(),
-}
+# torch's states under which the lane must not run: the decode lane's (tests/test_plan_lane.py)
 
 
 @pytest.mark.parametrize("state", sorted(STATES))
